@@ -1,0 +1,247 @@
+"""Paged persistent state for every sequence: the target's layers and the drafter's KV.
+
+Each *kind* of state lives in its own page pool, with its own storage tensor
+`[num_layers_of_kind, num_pages * page_size, width]` and per-sequence block tables:
+
+| kind     | layers    | slot addressed by              | width       |
+|----------|-----------|--------------------------------|-------------|
+| raw      | all       | position, ring of >= W-1       | d_h         |
+| buf4     | ratio 4   | position, ring of >= 7         | 4 d_h (a|g) |
+| buf128   | ratio 128 | position, ring of >= 127       | 2 d_h (a|g) |
+| ent4     | ratio 4   | entry number (grows)           | d_h         |
+| ent128   | ratio 128 | entry number (grows)           | d_h         |
+| ibuf     | ratio 4   | position, ring of >= 7         | 4 d_I       |
+| ikey     | ratio 4   | entry number (grows)           | d_I         |
+| mtp      | drafter   | position, ring of >= W-1       | d_h         |
+
+Ring kinds hold a fixed number of pages from admission; growing kinds take a page per
+page_size entries as the sequence grows (`reserve`). Reads gather what a forward needs
+into dense `LayerState`s; writes (`commit`) scatter the chosen nodes' scratch into the
+slots of their positions. Visibility is by committed length, so a slot is only read once
+the position it holds is committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from branchspec.cache.pool import BlockPool, OutOfPages
+from branchspec.config import ModelConfig
+from branchspec.model.attention import LayerScratch, LayerState
+from branchspec.model.metadata import ForwardMeta, buffer_rows
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    name: str
+    layers: tuple[int, ...]     # model layer indices (the drafter counts as layer 0 of "mtp")
+    width: int
+    ring: int | None            # ring capacity in positions (a multiple of page_size); None: growing
+    ratio: int = 1              # growing kinds: one slot per `ratio` tokens
+
+
+def _round_up(x: int, m: int) -> int:
+    return max(m, -(-x // m) * m)
+
+
+def kind_specs(cfg: ModelConfig, page_size: int) -> list[KindSpec]:
+    dh, dI = cfg.head_dim, cfg.index_head_dim
+    layers_of = lambda r: tuple(i for i, x in enumerate(cfg.compress_ratios) if x == r)  # noqa: E731
+    P = page_size
+    specs = [KindSpec("raw", tuple(range(cfg.num_layers)), dh, _round_up(cfg.window - 1, P))]
+    for r in cfg.compressed_ratios:
+        c = 2 if r == 4 else 1
+        specs.append(KindSpec(f"buf{r}", layers_of(r), 2 * c * dh, _round_up(buffer_rows(r), P)))
+        specs.append(KindSpec(f"ent{r}", layers_of(r), dh, None, r))
+    if 4 in cfg.compress_ratios:
+        specs.append(KindSpec("ibuf", layers_of(4), 4 * dI, _round_up(buffer_rows(4), P)))
+        specs.append(KindSpec("ikey", layers_of(4), dI, None, 4))
+    if cfg.num_mtp_layers:
+        specs.append(KindSpec("mtp", (0,), dh, _round_up(cfg.window - 1, P)))
+    return specs
+
+
+def default_num_pages(spec: KindSpec, max_seqs: int, max_len: int, page_size: int) -> int:
+    if spec.ring is not None:
+        return max_seqs * spec.ring // page_size
+    return max(1, max_seqs * (-(-(max_len // spec.ratio) // page_size)))
+
+
+class PagedState:
+    def __init__(self, cfg: ModelConfig, *, max_seqs: int, max_len: int, page_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 num_pages: dict[str, int] | None = None):
+        self.cfg, self.page_size, self.max_len = cfg, page_size, max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self.specs = {s.name: s for s in kind_specs(cfg, page_size)}
+        num_pages = num_pages or {}
+        unknown = set(num_pages) - set(self.specs)
+        if unknown:
+            raise ValueError(f"num_pages names unknown state kinds {sorted(unknown)}; kinds are {sorted(self.specs)}")
+        self.pools: dict[str, BlockPool] = {}
+        self.storage: dict[str, torch.Tensor] = {}
+        for name, spec in self.specs.items():
+            n = num_pages.get(name) or default_num_pages(spec, max_seqs, max_len, page_size)
+            self.pools[name] = BlockPool(n, name)
+            self.storage[name] = torch.zeros(len(spec.layers), n * page_size, spec.width,
+                                             dtype=dtype, device=self.device)
+        self.tables: dict[int, dict[str, list[int]]] = {}
+        # model layer -> (kind, index within kind's storage), per kind family
+        self._layer_slot = {(name, l): i for name, s in self.specs.items() for i, l in enumerate(s.layers)}
+
+    # -- allocation -----------------------------------------------------------------------
+    def add(self, seq_id: int) -> None:
+        """Admit a sequence: allocate its ring pages (atomic)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} is already in the cache")
+        need = {n: s.ring // self.page_size for n, s in self.specs.items() if s.ring is not None}
+        self._check_free(need)
+        self.tables[seq_id] = {n: self.pools[n].allocate(need[n]) if n in need else []
+                               for n in self.specs}
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Make room for committing up to `length` tokens (atomic: all kinds or none)."""
+        if length > self.max_len:
+            raise ValueError(f"sequence length {length} exceeds max_model_len {self.max_len}")
+        table = self.tables[seq_id]
+        need = {}
+        for n, s in self.specs.items():
+            if s.ring is None:
+                pages = -(-(length // s.ratio) // self.page_size)
+                if pages > len(table[n]):
+                    need[n] = pages - len(table[n])
+        self._check_free(need)
+        for n, k in need.items():
+            table[n].extend(self.pools[n].allocate(k))
+
+    def _check_free(self, need: dict[str, int]) -> None:
+        short = {n: (k, self.pools[n].num_free) for n, k in need.items() if k > self.pools[n].num_free}
+        if short:
+            detail = ", ".join(f"{n}: need {k}, free {f}" for n, (k, f) in short.items())
+            raise OutOfPages(f"not enough free pages ({detail})")
+
+    def free(self, seq_id: int) -> None:
+        for n, pages in self.tables.pop(seq_id).items():
+            self.pools[n].free(pages)
+
+    def num_free_pages(self) -> dict[str, int]:
+        return {n: p.num_free for n, p in self.pools.items()}
+
+    # -- addressing -----------------------------------------------------------------------
+    def _table(self, kind: str, seq_ids: list[int]) -> torch.Tensor:
+        """Padded block tables [B, max_pages] for one kind."""
+        rows = [self.tables[s][kind] for s in seq_ids]
+        width = max(1, max(len(r) for r in rows))
+        t = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return t.to(self.device)
+
+    def _slots(self, kind: str, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """index: [B, X] position (ring) or entry number (growing), >= 0 -> flat slot [B, X]."""
+        spec, P = self.specs[kind], self.page_size
+        logical = index % spec.ring if spec.ring is not None else index
+        page = torch.gather(table, 1, (logical // P).clamp(max=table.shape[1] - 1))
+        return page * P + logical % P
+
+    def _ring_read(self, kind: str, table: torch.Tensor, lengths: torch.Tensor, count: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slots of positions L-count .. L-1 -> (slots [B, count], positions, valid)."""
+        pos = lengths[:, None] - count + torch.arange(count, device=self.device)
+        valid = pos >= 0
+        return self._slots(kind, table, pos.clamp(min=0)), pos, valid
+
+    def _read(self, kind: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        store = self.storage[kind][self._layer_slot[(kind, layer)]]
+        return store[slots]                                          # [B, X, width]
+
+    # -- gather ---------------------------------------------------------------------------
+    def gather(self, seq_ids: list[int], lengths: torch.Tensor) -> list[LayerState]:
+        """Dense committed state of every target layer for a batch. lengths: [B] committed L."""
+        cfg = self.cfg
+        lengths = lengths.to(self.device)
+        tables = {n: self._table(n, seq_ids) for n in self.specs if n != "mtp"}
+        raw_slots, raw_pos, raw_valid = self._ring_read("raw", tables["raw"], lengths, cfg.window - 1)
+        addr = {}
+        for r in cfg.compressed_ratios:
+            addr[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, buffer_rows(r))[0]
+            num_entries = lengths // r
+            E = int(num_entries.max()) if len(seq_ids) else 0
+            e = torch.arange(E, device=self.device).expand(len(seq_ids), E)   # [B, E] entry numbers
+            addr[f"ent{r}"] = (self._slots(f"ent{r}", tables[f"ent{r}"], e), e < num_entries[:, None])
+            if r == 4:
+                addr["ibuf"] = self._ring_read("ibuf", tables["ibuf"], lengths, buffer_rows(4))[0]
+                addr["ikey"] = self._slots("ikey", tables["ikey"], e)
+        states = []
+        for l, r in enumerate(cfg.compress_ratios):
+            st = LayerState(raw_k=self._read("raw", l, raw_slots), raw_valid=raw_valid, raw_pos=raw_pos)
+            if r > 0:
+                st.buf = self._read(f"buf{r}", l, addr[f"buf{r}"])
+                ent_slots, ent_valid = addr[f"ent{r}"]
+                st.entries, st.entries_valid = self._read(f"ent{r}", l, ent_slots), ent_valid
+                if r == 4:
+                    st.index_buf = self._read("ibuf", l, addr["ibuf"])
+                    st.index_keys = self._read("ikey", l, addr["ikey"])
+            states.append(st)
+        return states
+
+    def gather_mtp(self, seq_ids: list[int], lengths: torch.Tensor) -> LayerState:
+        """Drafter KV for positions < lengths (its own committed length)."""
+        lengths = lengths.to(self.device)
+        slots, pos, valid = self._ring_read("mtp", self._table("mtp", seq_ids), lengths, self.cfg.window - 1)
+        return LayerState(raw_k=self._read("mtp", 0, slots), raw_valid=valid, raw_pos=pos)
+
+    # -- commit ---------------------------------------------------------------------------
+    def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch],
+               keep: torch.Tensor) -> None:
+        """Write the scratch of the nodes in `keep` [B, N] (a root-to-node path, or every node
+        of a prefill chunk) into the persistent pools at their positions.
+
+        `keep` must be a prefix-closed path starting at depth 0; the new committed length is
+        L + keep.sum(1). Reserve pages first.
+        """
+        tables = {n: self._table(n, seq_ids) for n in self.specs if n != "mtp"}
+        new_len = meta.num_committed + keep.sum(1)                   # [B]
+        pos = meta.positions
+        bi, ni = self._ring_writes(keep, pos, new_len, self.specs["raw"].ring)
+        raw_slots = self._slots("raw", tables["raw"], pos)[bi, ni]
+        ring_writes = {}
+        for r in self.cfg.compressed_ratios:
+            ring_writes[r] = self._ring_writes(keep, pos, new_len, self.specs[f"buf{r}"].ring)
+        for l, (r, s) in enumerate(zip(self.cfg.compress_ratios, scratch)):
+            self._write("raw", l, raw_slots, s.k[bi, ni])
+            if r == 0:
+                continue
+            b2, n2 = ring_writes[r]
+            self._write(f"buf{r}", l, self._slots(f"buf{r}", tables[f"buf{r}"], pos)[b2, n2], s.rows[b2, n2])
+            plan = meta.pools[r]
+            kept = plan.complete_valid & torch.gather(keep, 1, plan.complete_idx)   # [B, K]
+            kb, kk = kept.nonzero(as_tuple=True)
+            ent_slots = self._slots(f"ent{r}", tables[f"ent{r}"], plan.entry_index.clamp(min=0))[kb, kk]
+            self._write(f"ent{r}", l, ent_slots, s.entries[kb, kk])
+            if r == 4:
+                self._write("ibuf", l, self._slots("ibuf", tables["ibuf"], pos)[b2, n2], s.index_rows[b2, n2])
+                ikey_slots = self._slots("ikey", tables["ikey"], plan.entry_index.clamp(min=0))[kb, kk]
+                self._write("ikey", l, ikey_slots, s.index_keys[kb, kk])
+
+    def commit_mtp(self, seq_ids: list[int], meta: ForwardMeta, scratch: LayerScratch,
+                   keep: torch.Tensor) -> None:
+        new_len = meta.num_committed + keep.sum(1)
+        bi, ni = self._ring_writes(keep, meta.positions, new_len, self.specs["mtp"].ring)
+        slots = self._slots("mtp", self._table("mtp", seq_ids), meta.positions)[bi, ni]
+        self._write("mtp", 0, slots, scratch.k[bi, ni])
+
+    @staticmethod
+    def _ring_writes(keep: torch.Tensor, pos: torch.Tensor, new_len: torch.Tensor, ring: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept nodes whose position survives in a ring of `ring` slots after the commit.
+
+        Older positions of a long chunk would land on the same slots as newer ones; they are
+        out of reach anyway, and skipping them keeps scatter indices unique.
+        """
+        return (keep & (pos >= new_len[:, None] - ring)).nonzero(as_tuple=True)
+
+    def _write(self, kind: str, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.storage[kind][self._layer_slot[(kind, layer)]][slots] = values.to(self.dtype)

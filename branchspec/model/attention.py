@@ -1,0 +1,206 @@
+"""V4-style attention: sliding window + compressed entries (C4 with indexer, C128) + sink.
+
+One forward handles N new nodes per sequence on top of a `LayerState` (the committed
+state of this layer, already gathered from the paged pools) and returns a `LayerScratch`
+with everything the new nodes produced. Nothing here writes persistent state: committing
+scratch is the caller's decision (all nodes for prefill, the accepted path for verify).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from branchspec.config import ModelConfig
+from branchspec.model.layers import RMSNorm, rope, unit_rms
+from branchspec.model.metadata import ForwardMeta, PoolPlan, buffer_rows
+
+
+@dataclass
+class LayerState:
+    """Committed state of one layer for a batch, in dense form.
+
+    Absent parts are None (window-only layers have no buffer or entries).
+    """
+
+    raw_k: torch.Tensor                      # [B, Wc, d_h] keys at positions L-Wc .. L-1
+    raw_valid: torch.Tensor                  # [B, Wc] bool, position >= 0
+    raw_pos: torch.Tensor                    # [B, Wc]
+    buf: torch.Tensor | None = None          # [B, S, 2*c*d_h] compressor rows (a | g), positions L-S .. L-1
+    entries: torch.Tensor | None = None      # [B, E, d_h]
+    entries_valid: torch.Tensor | None = None  # [B, E] bool, e < L // r
+    index_buf: torch.Tensor | None = None    # [B, S, 4*d_I] indexer compressor rows
+    index_keys: torch.Tensor | None = None   # [B, E, d_I]
+
+
+@dataclass
+class LayerScratch:
+    """What a forward's new nodes produced in one layer (the per-round scratch area)."""
+
+    k: torch.Tensor                          # [B, N, d_h]
+    rows: torch.Tensor | None = None         # [B, N, 2*c*d_h]
+    entries: torch.Tensor | None = None      # [B, K, d_h], one per completing node
+    index_rows: torch.Tensor | None = None   # [B, N, 4*d_I]
+    index_keys: torch.Tensor | None = None   # [B, K, d_I]
+
+
+def empty_layer_state(cfg: ModelConfig, ratio: int, batch: int, dtype: torch.dtype,
+                      device: torch.device | str = "cpu") -> LayerState:
+    """The state of a layer before any token (training and the first prefill chunk)."""
+    z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+    st = LayerState(raw_k=z(batch, 0, cfg.head_dim), raw_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
+                    raw_pos=torch.zeros(batch, 0, dtype=torch.long, device=device))
+    if ratio > 0:
+        c = 2 if ratio == 4 else 1
+        S = buffer_rows(ratio)
+        st.buf = z(batch, S, 2 * c * cfg.head_dim)
+        st.entries = z(batch, 0, cfg.head_dim)
+        st.entries_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        if ratio == 4:
+            st.index_buf = z(batch, S, 4 * cfg.index_head_dim)
+            st.index_keys = z(batch, 0, cfg.index_head_dim)
+    return st
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one entry: per-channel softmax over gate rows.
+
+    C4 (ratio 4) overlaps: entry i pools 8 rows, channels [:dim] of the previous block and
+    channels [dim:] of the current block; the missing block before entry 0 is padding.
+    """
+
+    def __init__(self, d_model: int, ratio: int, dim: int, cfg: ModelConfig):
+        super().__init__()
+        self.ratio, self.dim = ratio, dim
+        self.overlap = ratio == 4
+        width = (2 if self.overlap else 1) * dim
+        self.rope_dim, self.theta = cfg.rope_dim, cfg.rope_theta
+        self.wkv = nn.Linear(d_model, width, bias=False)
+        self.wgate = nn.Linear(d_model, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(dim, cfg.norm_eps)
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [B, N, d_model], positions: [B, N] -> [B, N, 2*width] rows (a | g)."""
+        a = self.wkv(x)
+        g = self.wgate(x) + self.ape[positions % self.ratio]
+        return torch.cat([a, g], dim=-1)
+
+    def pool(self, rows_all: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+        """rows_all: [B, S + N, 2*width] (committed buffer then new rows) -> entries [B, K, dim]."""
+        B, K, span = plan.row_src.shape
+        w = rows_all.shape[-1]
+        picked = torch.gather(rows_all, 1, plan.row_src.reshape(B, K * span, 1).expand(B, K * span, w))
+        picked = picked.view(B, K, span, w)
+        a, g = picked.split(w // 2, dim=-1)                       # [B, K, span, width] each
+        if self.overlap:
+            r, d = self.ratio, self.dim
+            a = torch.cat([a[:, :, :r, :d], a[:, :, r:, d:]], dim=2)  # [B, K, 2r, dim]
+            g = torch.cat([g[:, :, :r, :d], g[:, :, r:, d:]], dim=2)
+        pad = plan.row_pad[..., None]
+        a = a.masked_fill(pad, 0.0)
+        g = g.masked_fill(pad, float("-inf"))
+        pooled = (torch.softmax(g, dim=2) * a).sum(dim=2)         # [B, K, dim]
+        return rope(self.norm(pooled), plan.entry_pos, self.rope_dim, self.theta)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ranks visible C4 entries with ReLU-weighted multi-head scores."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_dim, self.topk = cfg.index_num_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope_dim, self.theta = cfg.rope_dim, cfg.rope_theta
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.d_model, self.num_heads, bias=False)
+        self.compressor = Compressor(cfg.d_model, 4, self.head_dim, cfg)
+        self.scale = (self.num_heads * self.head_dim) ** -0.5
+
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor,
+               index_keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """x: [B, N, d]; c_q: [B, N, q_lora]; index_keys: [B, T, d_I]; visible: [B, N, T] bool.
+
+        Returns the selected subset of `visible`: its top-k entries by index score.
+        """
+        B, N, _ = x.shape
+        T = index_keys.shape[1]
+        if T == 0:
+            return visible
+        q = self.wq_b(c_q).view(B, N, self.num_heads, self.head_dim)
+        q = rope(q, positions, self.rope_dim, self.theta)
+        w = self.weights_proj(x) * self.scale                      # [B, N, H_I]
+        dots = torch.einsum("bnhd,btd->bnht", q, index_keys).relu()
+        score = torch.einsum("bnh,bnht->bnt", w, dots)             # [B, N, T]
+        score = score.masked_fill(~visible, float("-inf"))
+        # ReLU makes exact ties common (all heads zero). A stable sort breaks them by entry
+        # number, which every execution path lays out in the same order; topk would not.
+        k = min(self.topk, T)
+        top = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
+        return chosen & visible
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        H, dh = cfg.num_heads, cfg.head_dim
+        self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * dh, bias=False)
+        self.wkv = nn.Linear(cfg.d_model, dh, bias=False)
+        self.kv_norm = RMSNorm(dh, cfg.norm_eps)
+        self.wo = nn.Linear(H * dh, cfg.d_model, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.compressor = Compressor(cfg.d_model, ratio, dh, cfg) if ratio > 0 else None
+        self.indexer = Indexer(cfg) if ratio == 4 else None
+
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, state: LayerState
+                ) -> tuple[torch.Tensor, LayerScratch]:
+        """x: [B, N, d_model] (normed) -> ([B, N, d_model], scratch)."""
+        cfg = self.cfg
+        B, N, _ = x.shape
+        H, dh, W = cfg.num_heads, cfg.head_dim, cfg.window
+        pos = meta.positions                                       # [B, N]
+
+        c_q = self.q_norm(self.wq_a(x))                            # [B, N, q_lora]
+        q = unit_rms(self.wq_b(c_q).view(B, N, H, dh), cfg.norm_eps)
+        q = rope(q, pos, cfg.rope_dim, cfg.rope_theta)             # [B, N, H, d_h]
+        k = rope(self.kv_norm(self.wkv(x)), pos, cfg.rope_dim, cfg.rope_theta)  # [B, N, d_h]
+        scratch = LayerScratch(k=k)
+
+        # Window: committed keys in range, plus ancestor-or-self new keys in range.
+        lo = (pos - W + 1)[..., None]                              # [B, N, 1]
+        win_committed = state.raw_valid[:, None, :] & (state.raw_pos[:, None, :] >= lo)
+        win_new = meta.ancestor & (pos[:, None, :] >= lo)
+        keys = [state.raw_k, k]
+        masks = [win_committed, win_new]
+
+        if self.compressor is not None:
+            plan = meta.pools[self.ratio]
+            rows = self.compressor.rows(x, pos)
+            new_entries = self.compressor.pool(torch.cat([state.buf, rows], dim=1), plan)  # [B, K, d_h]
+            scratch.rows, scratch.entries = rows, new_entries
+            visible = torch.cat([state.entries_valid[:, None, :].expand(B, N, -1), plan.visible], dim=-1)
+            if self.indexer is not None:
+                idx = self.indexer
+                index_rows = idx.compressor.rows(x, pos)
+                new_index_keys = idx.compressor.pool(torch.cat([state.index_buf, index_rows], dim=1), plan)
+                scratch.index_rows, scratch.index_keys = index_rows, new_index_keys
+                all_index_keys = torch.cat([state.index_keys, new_index_keys], dim=1)
+                visible = idx.select(x, c_q, pos, all_index_keys, visible)
+            keys += [state.entries, new_entries]
+            masks.append(visible)
+
+        keys_all = torch.cat(keys, dim=1)                          # [B, T, d_h]; K = V
+        mask = torch.cat(masks, dim=-1)                            # [B, N, T]
+        scores = torch.einsum("bnhd,btd->bhnt", q, keys_all) * dh ** -0.5
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        sink = self.attn_sink.to(scores.dtype).view(1, H, 1, 1).expand(B, H, N, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out = torch.einsum("bhnt,btd->bnhd", probs, keys_all)      # [B, N, H, d_h]
+        out = rope(out, pos, cfg.rope_dim, cfg.rope_theta, inverse=True)
+        return self.wo(out.reshape(B, N, H * dh)), scratch
