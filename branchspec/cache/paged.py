@@ -148,9 +148,10 @@ class PagedState:
 
     def _ring_read(self, kind: str, table: torch.Tensor, lengths: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots of positions L-count .. L-1 -> (slots [B, count], positions, valid)."""
+        """Slots of positions L-count .. L-1 -> (slots [B, count], positions [B, count],
+        valid [B, 1, count], the same for every query)."""
         pos = lengths[:, None] - count + torch.arange(count, device=self.device)
-        valid = pos >= 0
+        valid = (pos >= 0)[:, None, :]                                  # [B, 1, count]
         return self._slots(kind, table, pos.clamp(min=0)), pos, valid
 
     def _read(self, kind: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -192,6 +193,31 @@ class PagedState:
         lengths = lengths.to(self.device)
         slots, pos, valid = self._ring_read("mtp", self._table("mtp", seq_ids), lengths, self.cfg.window - 1)
         return LayerState(raw_k=self._read("mtp", 0, slots), raw_valid=valid, raw_pos=pos)
+
+    def snapshot(self, seq_id: int, length: int, mtp_length: int | None = None) -> dict[str, torch.Tensor]:
+        """The logical persistent state of one sequence with committed length `length`, part
+        by part (what invariant S compares): raw window keys, compressor buffers (C4: last
+        complete block + partial block; C128: partial block), entries and index keys, and
+        the drafter KV when `mtp_length` is given. Keys look like "raw/3", "ent4/1"."""
+        L = torch.tensor([length], device=self.device)
+        states = self.gather([seq_id], L)
+        out = {}
+        for l, (r, st) in enumerate(zip(self.cfg.compress_ratios, states)):
+            keep = st.raw_valid[0, 0]
+            out[f"raw/{l}"] = st.raw_k[0, keep]
+            if r > 0:
+                start = (length // r) * r - (r if r == 4 else 0)     # first logical buffer position
+                S = st.buf.shape[1]
+                first = max(start, 0) - (length - S)                 # row of `start` in the gathered window
+                out[f"buf{r}/{l}"] = st.buf[0, first:]
+                out[f"ent{r}/{l}"] = st.entries[0]
+                if r == 4:
+                    out[f"ibuf/{l}"] = st.index_buf[0, first:]
+                    out[f"ikey/{l}"] = st.index_keys[0]
+        if mtp_length is not None:
+            m = self.gather_mtp([seq_id], torch.tensor([mtp_length], device=self.device))
+            out["mtp/0"] = m.raw_k[0, m.raw_valid[0, 0]]
+        return out
 
     # -- commit ---------------------------------------------------------------------------
     def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch],

@@ -76,6 +76,7 @@ def check_template(template: str) -> None:
 
 def generation_prompt(template: str = CHAT_TEMPLATE) -> str:
     """The text that opens an assistant turn: the template up to ``{content}``."""
+    check_template(template)
     return template.partition("{content}")[0].format(role="assistant")
 
 
@@ -89,9 +90,10 @@ def render_chat(
 
     Roles must be one of ROLES, and "system" may only come first. With
     ``add_generation_prompt`` the text ends with an open assistant turn for the model to
-    complete. Raises ValueError for an unknown role, a misplaced system message, or
-    non-string content.
+    complete. Raises ValueError for an unknown role, a misplaced system message,
+    non-string content, or a template that ``check_template`` rejects.
     """
+    check_template(template)
     parts: list[str] = []
     for i, message in enumerate(messages):
         role = message.get("role")

@@ -154,7 +154,8 @@ class Tokenizer:
             "chat_template": self.chat_template,
             "chat_template_format": CHAT_TEMPLATE_FORMAT,
         }
-        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        (out / CONFIG_FILE).write_text(text, encoding="utf-8")
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> Tokenizer:

@@ -38,7 +38,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -60,9 +60,6 @@ SHAREGPT_EVAL_FRACTION = 0.05
 
 MBPP_ENV_VAR = "BRANCHSPEC_MBPP"
 MBPP_HUB_NAME = "google-research-datasets/mbpp"
-
-Message = Mapping[str, str]
-
 
 @dataclass(frozen=True)
 class Example:
@@ -150,15 +147,15 @@ def training_text(
     Nothing from an eval split is ever yielded. ValueError for a workload without a
     train split (humaneval).
     """
-    _check_split(name, "train")
+    _check_split(name, "train")  # here, not inside the generator, so errors raise at the call
     if name == "sharegpt":
-        conversations, _ = _sharegpt_parsed()
-        for conv in conversations:
-            if sharegpt_split(conv.uid) == "train":
-                yield render_chat(conv.messages, add_generation_prompt=False)
-        return
-    for example in load_workload(name, "train", mbpp_path=mbpp_path, allow_hub=allow_hub):
-        yield example.document()
+        return (
+            render_chat(conv.messages, add_generation_prompt=False)
+            for conv in _sharegpt_parsed()[0]
+            if sharegpt_split(conv.uid) == "train"
+        )
+    examples = load_workload(name, "train", mbpp_path=mbpp_path, allow_hub=allow_hub)
+    return (example.document() for example in examples)
 
 
 # --- splitting ------------------------------------------------------------------------
@@ -483,9 +480,9 @@ def sharegpt_conversation(record: Any) -> tuple[tuple[dict[str, str], ...], bool
     body = body[start:stop]
     if not body:
         return "unpaired"
-    for i, message in enumerate(body):
-        if message["role"] != ("user", "assistant")[i % 2]:
-            return "non_alternating"
+    # Odd length after trimming means two user turns at the end: not alternating either.
+    if len(body) % 2 or any(m["role"] != ("user", "assistant")[i % 2] for i, m in enumerate(body)):
+        return "non_alternating"
     return tuple(system + body), start == 0
 
 

@@ -27,7 +27,7 @@ class LayerState:
     """
 
     raw_k: torch.Tensor                      # [B, Wc, d_h] keys at positions L-Wc .. L-1
-    raw_valid: torch.Tensor                  # [B, Wc] bool, position >= 0
+    raw_valid: torch.Tensor                  # [B, Q, Wc] bool, which of them query n may see (Q = 1 or N)
     raw_pos: torch.Tensor                    # [B, Wc]
     buf: torch.Tensor | None = None          # [B, S, 2*c*d_h] compressor rows (a | g), positions L-S .. L-1
     entries: torch.Tensor | None = None      # [B, E, d_h]
@@ -51,7 +51,7 @@ def empty_layer_state(cfg: ModelConfig, ratio: int, batch: int, dtype: torch.dty
                       device: torch.device | str = "cpu") -> LayerState:
     """The state of a layer before any token (training and the first prefill chunk)."""
     z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-    st = LayerState(raw_k=z(batch, 0, cfg.head_dim), raw_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
+    st = LayerState(raw_k=z(batch, 0, cfg.head_dim), raw_valid=torch.zeros(batch, 1, 0, dtype=torch.bool, device=device),
                     raw_pos=torch.zeros(batch, 0, dtype=torch.long, device=device))
     if ratio > 0:
         c = 2 if ratio == 4 else 1
@@ -174,7 +174,7 @@ class Attention(nn.Module):
 
         # Window: committed keys in range, plus ancestor-or-self new keys in range.
         lo = (pos - W + 1)[..., None]                              # [B, N, 1]
-        win_committed = state.raw_valid[:, None, :] & (state.raw_pos[:, None, :] >= lo)
+        win_committed = state.raw_valid & (state.raw_pos[:, None, :] >= lo)
         win_new = meta.ancestor & (pos[:, None, :] >= lo)
         keys = [state.raw_k, k]
         masks = [win_committed, win_new]

@@ -1,0 +1,158 @@
+"""The engine loop: admit and prefill requests, then run decode or speculative rounds over
+the running batch (continuous batching) until every request finishes."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+
+from branchspec.cache.paged import PagedState
+from branchspec.cache.pool import OutOfPages
+from branchspec.config import EngineConfig, SamplingParams, SpecConfig
+from branchspec.engine.request import FinishReason, Sequence
+from branchspec.engine.runner import ModelRunner
+from branchspec.engine.sampler import target_tokens
+from branchspec.engine.scheduler import Scheduler
+from branchspec.model.model import Transformer
+from branchspec.spec.drafter import MTPDrafter
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None,
+                 decode: Callable[[list[int]], str] | None = None, seed: int = 0):
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self.cfg = model.cfg
+        self.max_len = self.config.max_model_len or self.cfg.max_position
+        if self.max_len > self.cfg.max_position:
+            raise ValueError(f"max_model_len {self.max_len} exceeds the model's max_position {self.cfg.max_position}")
+        p = model.embed.weight
+        self.cache = PagedState(self.cfg, max_seqs=self.config.max_batch_size, max_len=self.max_len,
+                                page_size=self.config.page_size, dtype=p.dtype, device=p.device,
+                                num_pages=self.config.num_pages)
+        drafter = MTPDrafter(model) if model.mtp else None
+        self.runner = ModelRunner(model, self.cache, drafter, self.config.prefill_chunk_size)
+        self.scheduler = Scheduler(self.config.max_batch_size)
+        self.decode = decode
+        self._ids = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(seed)
+
+    # -- requests ---------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        V = self.cfg.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        if len(prompt_ids) + params.max_tokens > self.max_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds "
+                             f"max_model_len {self.max_len}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
+                       generator=torch.Generator().manual_seed(seed))
+        seq.arrival = seq.seq_id
+        self.scheduler.add(seq)
+        return seq
+
+    # -- loop -------------------------------------------------------------------------
+    def step(self, spec: SpecConfig | None) -> list[Sequence]:
+        """Admit what fits, then one decode step or speculative round. Returns the requests
+        that finished in this step (their pages are already back in the pools)."""
+        if spec is not None and self.runner.drafter is None:
+            raise ValueError("speculative decoding needs a checkpoint with an MTP block")
+        done = self._admit(spec)
+        running = self.scheduler.running
+        if not running:
+            return done
+        self._reserve_round(1 if spec is None else spec.num_draft_tokens)
+        running = list(self.scheduler.running)
+        if spec is None:
+            nxt = self.runner.decode_step(running)
+            emitted = [[t] for t in nxt]
+        else:
+            emitted = self.runner.spec_round(running, spec).emitted
+        for seq, toks in zip(running, emitted):
+            self._append(seq, toks)
+            if seq.finished:
+                self._release(seq)
+                done.append(seq)
+        return done
+
+    def _admit(self, spec: SpecConfig | None) -> list[Sequence]:
+        done = []
+        while (seq := self.scheduler.next_admission()) is not None:
+            need = len(seq.token_ids) - (1 if seq.output_ids else 0)
+            try:
+                self.cache.add(seq.seq_id)
+            except OutOfPages:
+                break
+            try:
+                self.cache.reserve(seq.seq_id, need)
+            except OutOfPages:
+                self.cache.free(seq.seq_id)
+                break
+            self.scheduler.admitted(seq)
+            logits = self.runner.prefill(seq, with_mtp=spec is not None)
+            if not seq.output_ids:  # a new request: its first token comes from the prefill
+                temp = torch.tensor([seq.params.temperature], dtype=torch.float64)
+                top_p = torch.tensor([seq.params.top_p], dtype=torch.float64)
+                first = int(target_tokens(logits[None, None], temp, top_p, [seq.generator])[0, 0])
+                self._append(seq, [first])
+                if seq.finished:
+                    self._release(seq)
+                    done.append(seq)
+        return done
+
+    def _reserve_round(self, num_nodes: int) -> None:
+        """Pages for every running request's round; preempt the newest until they fit."""
+        while True:
+            try:
+                for seq in self.scheduler.running:
+                    self.cache.reserve(seq.seq_id, min(seq.num_committed + num_nodes, self.max_len))
+                return
+            except OutOfPages:
+                if len(self.scheduler.running) == 1:
+                    raise
+                victim = self.scheduler.preempt()
+                self.cache.free(victim.seq_id)
+                victim.num_committed, victim.last_hidden = 0, None
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        eos = self.cfg.eos_token_id
+        for t in tokens:
+            seq.output_ids.append(t)
+            if t == eos and not seq.params.ignore_eos:
+                seq.finish_reason = FinishReason.STOP
+                return
+            if seq.params.stop and self.decode is not None:
+                text = self.decode(seq.output_ids)
+                hits = [text.find(s) for s in seq.params.stop if s in text]
+                if hits:
+                    seq.output_text = text[: min(hits)]
+                    seq.finish_reason = FinishReason.STOP
+                    return
+            if seq.num_remaining <= 0:
+                seq.finish_reason = FinishReason.LENGTH
+                return
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finished(seq)
+        self.cache.free(seq.seq_id)
+        if self.decode is not None and not seq.output_text:
+            seq.output_text = self.decode(seq.output_ids)
+
+    def run(self, spec: SpecConfig | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:
+        finished = []
+        while self.scheduler.has_work():
+            done = self.step(spec)
+            finished.extend(done)
+            if progress is not None and done:
+                progress(len(done))
+        return finished

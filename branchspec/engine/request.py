@@ -1,0 +1,67 @@
+"""A request's state: a few counters and token lists, no mode flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from branchspec.config import SamplingParams
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
+@dataclass
+class RoundStats:
+    """Per-request speculative statistics."""
+
+    num_rounds: int = 0
+    num_emitted: int = 0                                   # tokens emitted by verify rounds
+    accepted_per_depth: list[int] = field(default_factory=list)   # [depth-1] -> accepted count
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens per verify round, bonus included (1.0 = nothing accepted)."""
+        return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
+
+
+@dataclass
+class Sequence:
+    """One request.
+
+    Terms: `num_committed` (L) tokens have their target state in the cache; the *root* is
+    token_ids[L], the last emitted token, not yet fed through the target. During decoding
+    len(token_ids) == L + 1.
+    """
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    num_committed: int = 0
+    last_hidden: torch.Tensor | None = None                # [d] target hidden at L - 1
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    output_text: str = ""
+    stats: RoundStats = field(default_factory=RoundStats)
+    arrival: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def root_id(self) -> int:
+        return self.output_ids[-1]

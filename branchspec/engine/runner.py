@@ -1,0 +1,177 @@
+"""The model runner: the only place where request lists become tensors.
+
+It owns the model, the paged state and the drafter, and runs the three kinds of work:
+chunked prefill of one request, a plain decode step, and a speculative round (draft,
+plan, verify, accept, commit, draft-extend) over a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from branchspec.cache.paged import PagedState
+from branchspec.config import SpecConfig
+from branchspec.engine.request import Sequence
+from branchspec.engine.sampler import target_tokens
+from branchspec.model.metadata import chain_meta
+from branchspec.model.model import Transformer
+from branchspec.spec.accept import accept
+from branchspec.spec.drafter import Drafter
+from branchspec.spec.tree import build_verify_plan
+
+ROUND_PHASES = ("draft", "plan", "verify", "accept", "commit", "draft_extend")
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase, summed over calls (CPU work is synchronous, so no syncs needed)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def record(self, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] += now - start
+        return now
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+@dataclass
+class RoundResult:
+    emitted: list[list[int]]     # per sequence, the tokens this round adds to the output
+    path_len: list[int]          # per sequence, accepted nodes incl. root (committed tokens)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: PagedState, drafter: Drafter | None,
+                 prefill_chunk_size: int = 256):
+        self.model, self.cache, self.drafter = model, cache, drafter
+        self.cfg = model.cfg
+        self.chunk = prefill_chunk_size
+        self.device = model.embed.weight.device
+        self.timer = PhaseTimer()
+
+    def _lengths(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([s.num_committed for s in seqs], dtype=torch.long, device=self.device)
+
+    def _sampling(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64)
+        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64)
+        return temp, top_p, [s.generator for s in seqs]
+
+    # -- prefill ----------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, seq: Sequence, with_mtp: bool) -> torch.Tensor:
+        """Feed every token before the root through the target (and the drafter), in chunks.
+
+        A new request has no root yet: all prompt tokens are fed and the returned logits
+        [V] at the last one choose the first output token. A recomputed (preempted) request
+        feeds everything but its root. Pages must have been reserved.
+        """
+        t0 = time.perf_counter()
+        ids = seq.token_ids
+        end = len(ids) if not seq.output_ids else len(ids) - 1
+        sid = [seq.seq_id]
+        logits = None
+        while seq.num_committed < end:
+            L = seq.num_committed
+            n = min(self.chunk, end - L)
+            Lt = torch.tensor([L], device=self.device)
+            chunk = torch.tensor([ids[L:L + n]], device=self.device)
+            meta = chain_meta(Lt, n, self.cfg.compressed_ratios)
+            out = self.model(chunk, meta, self.cache.gather(sid, Lt))
+            self.cache.commit(sid, meta, out.scratch, meta.valid)
+            if with_mtp:
+                first = (seq.last_hidden if seq.last_hidden is not None
+                         else torch.zeros_like(out.hidden[0, 0]))
+                prev = torch.cat([first[None, None], out.hidden[:, :-1]], dim=1)
+                mtp_meta = chain_meta(Lt, n, ())
+                mtp = self.model.mtp_forward(chunk, prev, mtp_meta, self.cache.gather_mtp(sid, Lt))
+                self.cache.commit_mtp(sid, mtp_meta, mtp.scratch[0], mtp_meta.valid)
+            seq.last_hidden = out.hidden[0, -1]
+            seq.num_committed = L + n
+            logits = out.logits[0, -1]
+        self.timer.record("prefill", t0)
+        return logits
+
+    # -- plain decoding ---------------------------------------------------------------
+    @torch.no_grad()
+    def decode_step(self, seqs: list[Sequence]) -> list[int]:
+        """Feed each root through the target; return the next token of each sequence."""
+        t0 = time.perf_counter()
+        ids = [s.seq_id for s in seqs]
+        L = self._lengths(seqs)
+        roots = torch.tensor([[s.root_id] for s in seqs], device=self.device)
+        meta = chain_meta(L, 1, self.cfg.compressed_ratios)
+        out = self.model(roots, meta, self.cache.gather(ids, L))
+        t0 = self.timer.record("verify", t0)
+        self.cache.commit(ids, meta, out.scratch, meta.valid)
+        t0 = self.timer.record("commit", t0)
+        nxt = target_tokens(out.logits, *self._sampling(seqs))[:, 0].tolist()
+        for s in seqs:
+            s.num_committed += 1
+        self.timer.record("accept", t0)
+        return nxt
+
+    # -- speculative round ------------------------------------------------------------
+    @torch.no_grad()
+    def spec_round(self, seqs: list[Sequence], spec: SpecConfig) -> RoundResult:
+        t0 = time.perf_counter()
+        cfg, dev = self.cfg, self.device
+        ids = [s.seq_id for s in seqs]
+        B = len(seqs)
+        L = self._lengths(seqs)
+        roots = torch.tensor([s.root_id for s in seqs], device=dev)
+        prev_hidden = torch.stack([s.last_hidden for s in seqs])            # [B, d]
+
+        tree = self.drafter.draft(roots, prev_hidden, L, self.cache.gather_mtp(ids, L), spec)
+        t0 = self.timer.record("draft", t0)
+
+        plan = build_verify_plan(tree.parents, L, cfg.compressed_ratios)
+        t0 = self.timer.record("plan", t0)
+
+        out = self.model(tree.tokens, plan.meta, self.cache.gather(ids, L))  # [B, D, V]
+        t0 = self.timer.record("verify", t0)
+
+        # A round never commits past a request's token budget (its pages were sized for it).
+        limit = torch.tensor([s.num_remaining + 1 for s in seqs], device=dev)
+        acc = accept(tree.tokens, tree.parents, out.logits, *self._sampling(seqs), max_path_len=limit)
+        path_tokens = tree.tokens.gather(1, acc.path)                         # [B, D]
+        path_len = acc.path_len.tolist()
+        emitted = []
+        for b, s in enumerate(seqs):
+            n = path_len[b]
+            toks = path_tokens[b, 1:n].tolist() + [int(acc.bonus[b])]
+            emitted.append(toks[: s.num_remaining])
+            s.stats.num_rounds += 1
+            s.stats.num_emitted += n
+            depth_hits = s.stats.accepted_per_depth
+            while len(depth_hits) < spec.num_draft_tokens - 1:
+                depth_hits.append(0)
+            for d in range(n - 1):
+                depth_hits[d] += 1
+        t0 = self.timer.record("accept", t0)
+
+        self.cache.commit(ids, plan.meta, out.scratch, acc.keep)
+        t0 = self.timer.record("commit", t0)
+
+        # Draft extend: drafter slots L .. L+n-1 for the committed path, now with the
+        # target's hidden states instead of the drafter's own.
+        bidx = torch.arange(B, device=dev)[:, None]
+        path_hidden = out.hidden[bidx, acc.path]                             # [B, D, d]
+        prev = torch.cat([prev_hidden[:, None], path_hidden[:, :-1]], dim=1)
+        Nmax = int(acc.path_len.max())
+        meta = chain_meta(L, acc.path_len, (), max_new=Nmax)
+        mtp = self.model.mtp_forward(path_tokens[:, :Nmax], prev[:, :Nmax], meta, self.cache.gather_mtp(ids, L))
+        self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
+        last = path_hidden[torch.arange(B, device=dev), acc.path_len - 1]    # [B, d]
+        for b, s in enumerate(seqs):
+            s.num_committed += path_len[b]
+            s.last_hidden = last[b]
+        self.timer.record("draft_extend", t0)
+        return RoundResult(emitted=emitted, path_len=path_len)

@@ -1,0 +1,55 @@
+"""Shared helpers for the equivalence tests: sequential reference runs over a PagedState."""
+
+from __future__ import annotations
+
+import torch
+
+from branchspec.cache.paged import PagedState
+from branchspec.model.metadata import chain_meta
+
+
+def new_cache(model, max_seqs: int = 4, page_size: int = 4, max_len: int = 1024) -> PagedState:
+    return PagedState(model.cfg, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
+                      dtype=model.embed.weight.dtype)
+
+
+@torch.no_grad()
+def feed(model, cache: PagedState, seq_id: int, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    """Append ids (positions start..) to a sequence in chunks; return their logits [n, V]."""
+    L, outs = start, []
+    while L < start + len(ids):
+        n = min(chunk, start + len(ids) - L)
+        cache.reserve(seq_id, L + n)
+        Lt = torch.tensor([L])
+        meta = chain_meta(Lt, n, model.cfg.compressed_ratios)
+        out = model(torch.tensor([ids[L - start:L - start + n]]), meta, cache.gather([seq_id], Lt))
+        cache.commit([seq_id], meta, out.scratch, meta.valid)
+        outs.append(out.logits[0])
+        L += n
+    return torch.cat(outs) if outs else torch.zeros(0, model.cfg.vocab_size)
+
+
+def sequential(model, ids: list[int], chunk: int = 1, page_size: int = 4):
+    """A fresh cache holding ids, fed `chunk` tokens at a time -> (cache, logits [T, V])."""
+    cache = new_cache(model, max_seqs=1, page_size=page_size)
+    cache.add(0)
+    return cache, feed(model, cache, 0, ids, 0, chunk)
+
+
+def assert_same_state(a: dict, b: dict, atol: float = 1e-10) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].shape == b[key].shape, f"{key}: shape {tuple(a[key].shape)} != {tuple(b[key].shape)}"
+        diff = (a[key] - b[key]).abs().max().item() if a[key].numel() else 0.0
+        assert diff <= atol, f"state part {key} differs by {diff}"
+
+
+def state_diff(a: dict, b: dict) -> dict[str, float]:
+    """Max abs difference per state part (parts with different shapes count as inf)."""
+    out = {}
+    for key in a:
+        if a[key].shape != b[key].shape:
+            out[key] = float("inf")
+        else:
+            out[key] = (a[key] - b[key]).abs().max().item() if a[key].numel() else 0.0
+    return out

@@ -1,0 +1,346 @@
+"""Configuration dataclasses: JSON round trip, and every impossible value refused with a
+message that names the field (and, for SpecConfig, suggests values that work)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from branchspec.config import (
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SpecConfig,
+    tiny_config,
+    v4_mini_config,
+)
+
+# -- ModelConfig: round trip -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [tiny_config, v4_mini_config, ModelConfig])
+def test_model_config_dict_round_trip(make):
+    cfg = make()
+    d = cfg.to_dict()
+    assert d["architecture"] == "branchspec-v4"
+    assert isinstance(d["compress_ratios"], list)
+    json.dumps(d)  # plain JSON types only
+    back = ModelConfig.from_dict(d)
+    assert back == cfg
+    assert hash(back) == hash(cfg)
+    assert isinstance(back.compress_ratios, tuple)
+
+
+def test_model_config_folder_round_trip(tmp_path):
+    cfg = tiny_config(window=5, compress_ratios=(4, 0, 128, 4), index_topk=2, rope_theta=5000.0,
+                      norm_eps=1e-5, eos_token_id=7)
+    cfg.save(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    assert path.is_file()
+    on_disk = json.loads(path.read_text())
+    assert on_disk["window"] == 5 and on_disk["compress_ratios"] == [4, 0, 128, 4]
+    back = ModelConfig.load(tmp_path / "ckpt")
+    assert back == cfg
+    # every field survives, including floats and the ratio tuple
+    for f in dataclasses.fields(ModelConfig):
+        assert getattr(back, f.name) == getattr(cfg, f.name), f.name
+
+
+def test_model_config_from_dict_accepts_json_lists():
+    d = tiny_config().to_dict()
+    d["compress_ratios"] = [0, 4, 128, 4]
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.compress_ratios == (0, 4, 128, 4)
+    assert cfg.has_indexer and cfg.compressed_ratios == (4, 128)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# -- ModelConfig: errors that name the field ---------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_window_must_be_positive(window):
+    with pytest.raises(ConfigError, match="window"):
+        tiny_config(window=window)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "d_model", "num_heads", "head_dim", "q_lora_rank",
+                                   "ffn_hidden", "max_position"])
+def test_sizes_must_be_positive(field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**{field: 0})
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 3, 8, 16, 64, 127, 256])
+def test_unsupported_ratio_rejected(ratio):
+    with pytest.raises(ConfigError, match=r"compress_ratios\[1\]") as info:
+        tiny_config(compress_ratios=(0, ratio, 128, 4))
+    assert str(ratio) in str(info.value)
+    assert "allow_any_ratio" in str(info.value)  # says how to get past it
+
+
+@pytest.mark.parametrize("ratio", [2, 8, 16])
+def test_any_ratio_accepted_when_allowed(ratio):
+    cfg = tiny_config(compress_ratios=(0, ratio, 128, 4), allow_any_ratio=True)
+    assert cfg.compress_ratios == (0, ratio, 128, 4)
+    assert ratio in cfg.compressed_ratios
+    # and it round-trips with the flag
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_negative_ratio_rejected_even_when_any_allowed():
+    with pytest.raises(ConfigError, match=r"compress_ratios\[0\]"):
+        tiny_config(compress_ratios=(-4, 0, 128, 4), allow_any_ratio=True)
+
+
+@pytest.mark.parametrize("ratios", [(0, 4, 128), (0, 4, 128, 4, 0), ()])
+def test_ratio_count_must_match_layers(ratios):
+    with pytest.raises(ConfigError, match="compress_ratios has") as info:
+        tiny_config(compress_ratios=ratios)
+    assert "num_layers" in str(info.value)
+    assert str(len(ratios)) in str(info.value)
+
+
+@pytest.mark.parametrize("rope_dim", [7, 3, 18, 32, 0])
+def test_rope_dim_even_and_within_head_dim(rope_dim):
+    with pytest.raises(ConfigError, match="rope_dim") as info:
+        tiny_config(rope_dim=rope_dim)  # head_dim 16
+    assert str(rope_dim) in str(info.value)
+
+
+def test_rope_dim_equal_head_dim_ok():
+    assert tiny_config(rope_dim=16, index_head_dim=16).rope_dim == 16
+
+
+@pytest.mark.parametrize("index_head_dim", [4, 6, 9])
+def test_index_head_dim_at_least_rope_dim(index_head_dim):
+    with pytest.raises(ConfigError, match="index_head_dim") as info:
+        tiny_config(rope_dim=8, index_head_dim=index_head_dim)
+    assert "rope_dim" in str(info.value)
+
+
+def test_index_head_dim_unchecked_without_c4_layers():
+    # No ratio-4 layer: no indexer, so its sizes do not matter.
+    cfg = tiny_config(compress_ratios=(0, 128, 0, 128), index_head_dim=2)
+    assert not cfg.has_indexer
+
+
+def test_index_topk_must_be_positive():
+    with pytest.raises(ConfigError, match="index_topk"):
+        tiny_config(index_topk=0)
+
+
+@pytest.mark.parametrize("field,value", [("bos_token_id", 64), ("eos_token_id", -1), ("pad_token_id", 100)])
+def test_special_token_ids_inside_vocab(field, value):
+    with pytest.raises(ConfigError, match=field) as info:
+        tiny_config(**{field: value})  # vocab 64
+    assert str(value) in str(info.value)
+
+
+def test_num_mtp_layers_zero_or_one():
+    assert tiny_config(num_mtp_layers=0).num_mtp_layers == 0
+    with pytest.raises(ConfigError, match="num_mtp_layers"):
+        tiny_config(num_mtp_layers=2)
+
+
+def test_unknown_keys_rejected():
+    d = tiny_config().to_dict()
+    d["hidden_sizee"] = 12
+    d["zz_extra"] = True
+    with pytest.raises(ConfigError, match="unknown model config keys") as info:
+        ModelConfig.from_dict(d)
+    assert "hidden_sizee" in str(info.value) and "zz_extra" in str(info.value)
+
+
+def test_unknown_keys_in_config_json(tmp_path):
+    d = tiny_config().to_dict()
+    d["n_routed_experts"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="n_routed_experts"):
+        ModelConfig.load(tmp_path)
+
+
+def test_wrong_value_type_is_config_error():
+    d = tiny_config().to_dict()
+    d["window"] = "eight"
+    with pytest.raises(ConfigError):
+        ModelConfig.from_dict(d)
+
+
+def test_invalid_json_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 64, ')
+    with pytest.raises(ConfigError, match="not valid JSON") as info:
+        ModelConfig.load(tmp_path)
+    assert "config.json" in str(info.value)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.load(tmp_path)
+
+
+def test_invalid_value_in_config_json(tmp_path):
+    d = tiny_config().to_dict()
+    d["window"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="window"):
+        ModelConfig.load(tmp_path)
+
+
+def test_model_config_is_frozen():
+    cfg = tiny_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.window = 3  # type: ignore[misc]
+
+
+# -- SpecConfig ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("D", range(2, 9))
+def test_chain_configs(D):
+    s = SpecConfig.chain(D)
+    assert (s.num_steps, s.topk, s.num_draft_tokens) == (D - 1, 1, D)
+    assert s.is_chain
+
+
+@pytest.mark.parametrize("steps,topk,D", [(3, 2, 6), (2, 4, 7), (4, 3, 8), (1, 4, 5), (2, 2, 3), (7, 2, 8)])
+def test_tree_configs(steps, topk, D):
+    s = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=D)
+    assert not s.is_chain
+    assert (s.num_steps, s.topk, s.num_draft_tokens) == (steps, topk, D)
+
+
+def test_default_spec_config_valid():
+    s = SpecConfig()
+    assert (s.num_steps, s.topk, s.num_draft_tokens) == (3, 2, 6)
+
+
+def test_budget_too_large_for_steps_suggests_enough_steps():
+    # topk 2 drafts 2 + 4 (s - 1) candidates; D - 1 = 7 needs s >= 3
+    with pytest.raises(ValueError, match=r"num_steps >= 3") as info:
+        SpecConfig(num_steps=1, topk=2, num_draft_tokens=8)
+    assert "topk" in str(info.value)
+    with pytest.raises(ValueError, match=r"num_steps >= 3"):
+        SpecConfig(num_steps=2, topk=2, num_draft_tokens=8)
+    assert SpecConfig(num_steps=3, topk=2, num_draft_tokens=8)  # the suggestion works
+    # a chain needs one step per draft token
+    with pytest.raises(ValueError, match=r"num_steps >= 5"):
+        SpecConfig(num_steps=2, topk=1, num_draft_tokens=6)
+
+
+def test_steps_beyond_budget_suggests_max_steps():
+    with pytest.raises(ValueError, match=r"num_steps <= 3"):
+        SpecConfig(num_steps=5, topk=2, num_draft_tokens=4)
+    assert SpecConfig(num_steps=3, topk=2, num_draft_tokens=4)
+
+
+def test_every_rejected_spec_suggests_a_value_that_works():
+    """Over a grid of knobs: each combination is accepted, or the error's suggested
+    num_steps (with the same topk and budget) is accepted."""
+    num_rejected = 0
+    for k in range(1, 5):
+        for D in range(2, 11):
+            for s in range(1, 12):
+                try:
+                    SpecConfig(num_steps=s, topk=k, num_draft_tokens=D)
+                    continue
+                except ValueError as e:
+                    msg = str(e)
+                num_rejected += 1
+                m = re.search(r"num_steps (>=|<=) (\d+)", msg)
+                assert m, f"no suggestion in {msg!r} for ({s}, {k}, {D})"
+                fixed = SpecConfig(num_steps=int(m.group(2)), topk=k, num_draft_tokens=D)
+                assert fixed.num_draft_tokens == D
+    assert num_rejected > 20
+
+
+@pytest.mark.parametrize("field", ["num_steps", "topk", "num_draft_tokens"])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "3"])
+def test_non_positive_or_non_int_knobs(field, bad):
+    kw = dict(num_steps=3, topk=2, num_draft_tokens=6)
+    kw[field] = bad
+    with pytest.raises(ValueError, match=field):
+        SpecConfig(**kw)
+
+
+def test_budget_below_two():
+    with pytest.raises(ValueError, match=r"num_draft_tokens=1.*>= 2"):
+        SpecConfig(num_steps=1, topk=1, num_draft_tokens=1)
+
+
+def test_chain_of_one_raises():
+    with pytest.raises(ValueError):
+        SpecConfig.chain(1)
+
+
+@pytest.mark.xfail(strict=True, reason="SpecConfig.chain(1) reports 'num_steps must be a positive integer, "
+                   "got 0' (a value the caller never passed) instead of the num_draft_tokens >= 2 rule")
+def test_chain_of_one_names_the_budget():
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpecConfig.chain(1)
+
+
+# -- SamplingParams ------------------------------------------------------------------------
+
+
+def test_sampling_params_valid():
+    p = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=1, seed=3, stop="###")
+    assert p.stop == ("###",) and not p.greedy
+    assert SamplingParams().greedy
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(top_p=1.0).top_p == 1.0
+
+
+@pytest.mark.parametrize("t", [-0.01, -1.0, float("nan")])
+def test_negative_temperature(t):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=t)
+
+
+@pytest.mark.parametrize("p", [0.0, -0.5, 1.0001, 2.0, float("nan")])
+def test_top_p_range(p):
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=p)
+
+
+@pytest.mark.parametrize("m", [0, -4, 1.5])
+def test_max_tokens_positive_int(m):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=m)
+
+
+@pytest.mark.parametrize("stop", ["", ["ok", ""], ("",)])
+def test_empty_stop_string(stop):
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=stop)
+
+
+# -- EngineConfig --------------------------------------------------------------------------
+
+
+def test_engine_config_valid():
+    e = EngineConfig(max_batch_size=1, page_size=1, prefill_chunk_size=1, num_pages={"ent4": 3})
+    assert e.num_pages == {"ent4": 3}
+    assert EngineConfig().num_pages == {}  # a fresh dict per instance
+    assert EngineConfig().num_pages is not EngineConfig().num_pages
+
+
+@pytest.mark.parametrize("field", ["max_batch_size", "page_size", "prefill_chunk_size"])
+@pytest.mark.parametrize("bad", [0, -2])
+def test_engine_config_errors(field, bad):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: bad})
+
+
+@pytest.mark.xfail(strict=True, reason="EngineConfig does not validate max_model_len: a negative value is "
+                   "accepted (and 0 silently means 'the model default' via `or`)")
+def test_engine_config_negative_max_model_len():
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(max_model_len=-8)
