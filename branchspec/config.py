@@ -193,6 +193,9 @@ class SpecConfig:
 
     @classmethod
     def chain(cls, num_draft_tokens: int) -> "SpecConfig":
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 2:
+            raise ValueError(f"a chain needs num_draft_tokens >= 2 (the root plus at least one draft), "
+                             f"got {num_draft_tokens!r}")
         return cls(num_steps=num_draft_tokens - 1, topk=1, num_draft_tokens=num_draft_tokens)
 
 
@@ -241,5 +244,8 @@ class EngineConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or None for the model's max_position), "
+                             f"got {self.max_model_len}")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")

@@ -83,7 +83,9 @@ class PagedState:
         self.pools: dict[str, BlockPool] = {}
         self.storage: dict[str, torch.Tensor] = {}
         for name, spec in self.specs.items():
-            n = num_pages.get(name) or default_num_pages(spec, max_seqs, max_len, page_size)
+            n = num_pages.get(name, default_num_pages(spec, max_seqs, max_len, page_size))
+            if n < 1:
+                raise ValueError(f"num_pages[{name!r}] must be >= 1, got {n}")
             self.pools[name] = BlockPool(n, name)
             self.storage[name] = torch.zeros(len(spec.layers), n * page_size, spec.width,
                                              dtype=dtype, device=self.device)
@@ -121,6 +123,15 @@ class PagedState:
         if short:
             detail = ", ".join(f"{n}: need {k}, free {f}" for n, (k, f) in short.items())
             raise OutOfPages(f"not enough free pages ({detail})")
+
+    def pages_needed(self, length: int) -> dict[str, int]:
+        """Pages one sequence of `length` committed tokens holds, per kind."""
+        return {n: (s.ring // self.page_size if s.ring is not None
+                    else -(-(length // s.ratio) // self.page_size)) for n, s in self.specs.items()}
+
+    def fits_alone(self, length: int) -> bool:
+        """Could a sequence of this length be held if it were the only one?"""
+        return all(k <= self.pools[n].num_pages for n, k in self.pages_needed(length).items())
 
     def free(self, seq_id: int) -> None:
         for n, pages in self.tables.pop(seq_id).items():

@@ -25,7 +25,7 @@ class Engine:
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.cfg = model.cfg
-        self.max_len = self.config.max_model_len or self.cfg.max_position
+        self.max_len = self.config.max_model_len if self.config.max_model_len is not None else self.cfg.max_position
         if self.max_len > self.cfg.max_position:
             raise ValueError(f"max_model_len {self.max_len} exceeds the model's max_position {self.cfg.max_position}")
         p = model.embed.weight
@@ -47,9 +47,14 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
-        if len(prompt_ids) + params.max_tokens > self.max_len:
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds "
                              f"max_model_len {self.max_len}")
+        if not self.cache.fits_alone(total):
+            raise ValueError(f"a request of {total} tokens needs more pages than the cache has "
+                             f"({self.cache.pages_needed(total)} needed, pools hold "
+                             f"{ {n: p.num_pages for n, p in self.cache.pools.items()} }); raise num_pages")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.validate(prompt_ids, params)
@@ -92,11 +97,15 @@ class Engine:
             try:
                 self.cache.add(seq.seq_id)
             except OutOfPages:
+                if not self.scheduler.running:
+                    raise
                 break
             try:
                 self.cache.reserve(seq.seq_id, need)
             except OutOfPages:
                 self.cache.free(seq.seq_id)
+                if not self.scheduler.running:  # nothing will ever free pages for it
+                    raise
                 break
             self.scheduler.admitted(seq)
             logits = self.runner.prefill(seq, with_mtp=spec is not None)

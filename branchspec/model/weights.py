@@ -57,10 +57,10 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "fl
 
 def save_checkpoint(model: Transformer, folder: str | Path, dtype: str | torch.dtype | None = None,
                     metadata: dict | None = None) -> Path:
+    target = resolve_dtype(dtype) if dtype is not None else None   # fail before writing anything
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.cfg.save(folder)
-    target = resolve_dtype(dtype) if dtype is not None else None
     tensors = {k: (v.to(target) if target is not None else v).contiguous()
                for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"),
@@ -97,7 +97,7 @@ def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") ->
     if problems:
         raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems))
     for k, v in tensors.items():
-        if not torch.isfinite(v.float()).all():
+        if v.is_floating_point() and not torch.isfinite(v).all():
             raise CheckpointError(f"checkpoint {folder}: tensor {k} contains NaN or Inf")
     target = resolve_dtype(dtype)
     model = model.to(target)

@@ -1,0 +1,150 @@
+"""Tree verification with temporary state isolation (float64).
+
+For random trees and committed lengths that put C4 and C128 boundaries at every depth:
+every node's verify logits equal a token-by-token decode of its root-to-node path, and
+committing any root-to-node path leaves exactly the sequential state (invariant S).
+A negative control shows the state comparison catches an unisolated variant.
+"""
+
+import copy
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from branchspec.spec.tree import ancestor_matrix, build_verify_plan
+from helpers import assert_same_state, feed, new_cache, state_diff
+
+PREFIX = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(11)).tolist()
+# Committed lengths around C128 boundaries (128, 256) and at every C4 phase near the start.
+LENGTHS = list(range(0, 9)) + list(range(119, 132)) + list(range(250, 258))
+
+
+@st.composite
+def trees(draw, max_nodes=12, max_depth=8, max_width=4):
+    """parents[j] < j, depth <= max_depth, at most max_width children per node."""
+    n = draw(st.integers(1, max_nodes))
+    parents, depth, kids = [-1], [0], [0]
+    for j in range(1, n):
+        options = [i for i in range(j) if depth[i] < max_depth and kids[i] < max_width]
+        p = draw(st.sampled_from(options))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        kids[p] += 1
+        kids.append(0)
+    tokens = draw(st.lists(st.integers(0, 63), min_size=n, max_size=n))
+    return parents, tokens
+
+
+def _prefilled(model, L):
+    cache = new_cache(model, max_seqs=1)
+    cache.add(0)
+    feed(model, cache, 0, PREFIX[:L], 0, chunk=128)
+    return cache
+
+
+def _verify(model, cache, L, parents, tokens):
+    plan = build_verify_plan(torch.tensor([parents]), torch.tensor([L]), model.cfg.compressed_ratios)
+    cache.reserve(0, L + len(parents))
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), plan.meta, cache.gather([0], torch.tensor([L])))
+    return plan, out
+
+
+def _path(parents, node):
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def test_ancestor_matrix_small_tree():
+    anc = ancestor_matrix(torch.tensor([[-1, 0, 0, 1, 3, 2]]))[0]
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}}
+    for n, ancestors in expected.items():
+        assert set(anc[n].nonzero().flatten().tolist()) == ancestors
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=trees(), L=st.sampled_from(LENGTHS), data=st.data())
+def test_tree_verify_equals_sequential_and_commit_preserves_state(tiny64, tree, L, data):
+    parents, tokens = tree
+    base = _prefilled(tiny64, L)
+    cache = copy.deepcopy(base)
+    plan, out = _verify(tiny64, cache, L, parents, tokens)
+    refs = {}
+    for node in range(len(parents)):
+        path = _path(parents, node)
+        ref = copy.deepcopy(base)
+        logits = feed(tiny64, ref, 0, [tokens[i] for i in path], L, chunk=1)   # token by token
+        torch.testing.assert_close(out.logits[0, node], logits[-1], atol=1e-10, rtol=0,
+                                   msg=lambda m: f"node {node} (path {path}, L={L}): {m}")
+        refs[node] = (ref, len(path))
+    # Commit one root-to-node path, as acceptance would, and compare the whole state.
+    node = data.draw(st.integers(0, len(parents) - 1), label="accepted node")
+    keep = torch.zeros(1, len(parents), dtype=torch.bool)
+    keep[0, _path(parents, node)] = True
+    cache.commit([0], plan.meta, out.scratch, keep)
+    ref, n = refs[node]
+    assert_same_state(cache.snapshot(0, L + n), ref.snapshot(0, L + n))
+
+
+def _unisolated_scratch(plan, scratch):
+    """Negative control: branches share position-keyed scratch, as with a plain tree mask.
+
+    Each compressed-entry slot is keyed by the entry's position only, so sibling branches
+    that complete the same block overwrite each other: the last writer wins and commit
+    reads whatever is there."""
+    bad = []
+    for s in scratch:
+        s = copy.copy(s)
+        if s.entries is not None:
+            for r, p in plan.meta.pools.items():
+                if s.entries.shape[1] != p.complete_idx.shape[1]:
+                    continue
+                entries = s.entries.clone()
+                index_keys = s.index_keys.clone() if s.index_keys is not None else None
+                pos = plan.meta.positions.gather(1, p.complete_idx)[0]        # [K]
+                for k in range(len(pos)):
+                    last = int((pos == pos[k]).nonzero().max())
+                    entries[0, k] = s.entries[0, last]
+                    if index_keys is not None:
+                        index_keys[0, k] = s.index_keys[0, last]
+                s.entries, s.index_keys = entries, index_keys
+                break
+        bad.append(s)
+    return bad
+
+
+def test_negative_control_unisolated_state_fails(tiny64):
+    """Siblings at depth 1 both complete a C4 block (L = 2 mod 4 puts their position at
+    3 mod 4). Committing the first sibling from shared position-keyed scratch stores the
+    second sibling's C4 entry: the state test must fail, on the compressed parts only,
+    while the isolated commit passes."""
+    L = 130
+    parents, tokens = [-1, 0, 0, 2], [5, 17, 42, 9]
+    assert (L + 1 + 1) % 4 == 0
+    base = _prefilled(tiny64, L)
+    ref = copy.deepcopy(base)
+    feed(tiny64, ref, 0, [tokens[0], tokens[1]], L, chunk=1)
+    expected = ref.snapshot(0, L + 2)
+
+    keep = torch.tensor([[True, True, False, False]])
+    isolated = copy.deepcopy(base)
+    plan, out = _verify(tiny64, isolated, L, parents, tokens)
+    isolated.commit([0], plan.meta, out.scratch, keep)
+    assert_same_state(isolated.snapshot(0, L + 2), expected)
+
+    shared = copy.deepcopy(base)
+    plan, out = _verify(tiny64, shared, L, parents, tokens)
+    shared.commit([0], plan.meta, _unisolated_scratch(plan, out.scratch), keep)
+    diff = state_diff(shared.snapshot(0, L + 2), expected)
+    broken = {k for k, v in diff.items() if v > 1e-6}
+    assert broken, "the state comparison failed to notice a rejected branch's entry"
+    assert broken <= {k for k in diff if k.startswith(("ent4", "ikey"))}, broken
+    try:
+        assert_same_state(shared.snapshot(0, L + 2), expected)
+    except AssertionError as e:
+        assert "ent4" in str(e) or "ikey" in str(e)
+    else:
+        raise AssertionError("assert_same_state accepted an unisolated state")
