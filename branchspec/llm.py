@@ -70,8 +70,10 @@ class LLM:
         return self.model.cfg
 
     def _engine(self) -> Engine:
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return Engine(self.model, self.engine_config, decode=decode, seed=self.seed)
+        if self.tokenizer is None:
+            return Engine(self.model, self.engine_config, seed=self.seed)
+        return Engine(self.model, self.engine_config, decode=self.tokenizer.decode, seed=self.seed,
+                      stop_token_ids=tuple(self.tokenizer.stop_ids))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -21,7 +21,8 @@ from branchspec.spec.drafter import MTPDrafter
 
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 decode: Callable[[list[int]], str] | None = None, seed: int = 0):
+                 decode: Callable[[list[int]], str] | None = None, seed: int = 0,
+                 stop_token_ids: tuple[int, ...] = ()):
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.cfg = model.cfg
@@ -36,6 +37,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, drafter, self.config.prefill_chunk_size)
         self.scheduler = Scheduler(self.config.max_batch_size)
         self.decode = decode
+        # EOS always ends a request (unless ignore_eos); a tokenizer may add its turn-end token.
+        self.stop_token_ids = {self.cfg.eos_token_id, *stop_token_ids}
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(seed)
 
@@ -134,10 +137,9 @@ class Engine:
                 victim.num_committed, victim.last_hidden = 0, None
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
-        eos = self.cfg.eos_token_id
         for t in tokens:
             seq.output_ids.append(t)
-            if t == eos and not seq.params.ignore_eos:
+            if t in self.stop_token_ids and not seq.params.ignore_eos:
                 seq.finish_reason = FinishReason.STOP
                 return
             if seq.params.stop and self.decode is not None:

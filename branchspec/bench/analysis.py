@@ -1,0 +1,205 @@
+"""Tree versus chain at a matched budget: the derived numbers the report tables show.
+
+gain(x) = tree / chain - 1. The *conversion ratio* = throughput gain / accept-length gain
+says how much of the extra acceptance a tree turns into speed: 1.0 means every extra
+accepted token is free; lower means the tree's per-round overhead (wider draft, bigger
+plan, more verify compute, path refresh) eats part of it. It uses one tree for both gains
+(the best by throughput), so the ratio describes one configuration.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from statistics import fmean
+
+from branchspec.bench.metrics import CellResult
+from branchspec.engine.runner import ROUND_PHASES
+
+BREAKDOWN_PHASES = (*ROUND_PHASES, "other")
+
+
+def gain(tree: float, chain: float) -> float | None:
+    """tree / chain - 1, or None when the chain value is 0."""
+    return tree / chain - 1.0 if chain > 0 else None
+
+
+@dataclass
+class Comparison:
+    """The chain and the trees at one (workload, batch size, D)."""
+
+    workload: str
+    batch_size: int
+    D: int
+    chain: CellResult
+    trees: list[CellResult]
+
+    @property
+    def best_tree(self) -> CellResult:
+        """The tree shape with the highest decode throughput (the paper's choice)."""
+        return max(self.trees, key=lambda c: c.throughput_tok_s)
+
+    @property
+    def best_accept_tree(self) -> CellResult:
+        """The tree shape with the longest accept length."""
+        return max(self.trees, key=lambda c: c.accept_length)
+
+    @property
+    def accept_ratio(self) -> float | None:
+        c = self.chain.accept_length
+        return self.best_tree.accept_length / c if c > 0 else None
+
+    @property
+    def best_accept_ratio(self) -> float | None:
+        c = self.chain.accept_length
+        return self.best_accept_tree.accept_length / c if c > 0 else None
+
+    @property
+    def throughput_ratio(self) -> float | None:
+        c = self.chain.throughput_tok_s
+        return self.best_tree.throughput_tok_s / c if c > 0 else None
+
+    @property
+    def conversion(self) -> float | None:
+        if self.accept_ratio is None or self.throughput_ratio is None:
+            return None
+        acc_gain = self.accept_ratio - 1.0
+        # A vanishing accept gain makes the ratio meaningless (and unbounded).
+        return (self.throughput_ratio - 1.0) / acc_gain if abs(acc_gain) > 1e-9 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "workload": self.workload, "batch_size": self.batch_size, "D": self.D,
+            "chain_accept_length": self.chain.accept_length,
+            "chain_throughput_tok_s": self.chain.throughput_tok_s,
+            "best_tree": self.best_tree.shape,
+            "tree_accept_length": self.best_tree.accept_length,
+            "tree_throughput_tok_s": self.best_tree.throughput_tok_s,
+            "accept_ratio": self.accept_ratio, "throughput_ratio": self.throughput_ratio,
+            "conversion": self.conversion,
+            "best_accept_tree": self.best_accept_tree.shape,
+            "best_accept_tree_accept_length": self.best_accept_tree.accept_length,
+            "best_accept_ratio": self.best_accept_ratio,
+        }
+
+
+def compare(cells: list[CellResult]) -> list[Comparison]:
+    """One Comparison per (workload, batch size, D) that has a chain and at least one tree,
+    in the order the cells ran."""
+    groups: dict[tuple[str, int, int], dict[str, list[CellResult]]] = {}
+    for c in cells:
+        if c.kind == "baseline":
+            continue
+        g = groups.setdefault((c.workload, c.batch_size, c.D), {"chain": [], "tree": []})
+        g[c.kind].append(c)
+    return [Comparison(w, b, d, g["chain"][0], g["tree"]) for (w, b, d), g in groups.items()
+            if g["chain"] and g["tree"]]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return fmean(present) if present else None
+
+
+@dataclass
+class AcceptRow:
+    """Accept length at one (workload, D), averaged over batch sizes (as the paper does)."""
+
+    workload: str
+    D: int
+    chain: float
+    tree_shape: str       # the shape with the longest mean accept length
+    tree: float
+
+    @property
+    def gain(self) -> float | None:
+        return gain(self.tree, self.chain)
+
+
+def accept_table(cells: list[CellResult]) -> list[AcceptRow]:
+    by_shape: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if c.kind != "baseline":
+            by_shape[(c.workload, c.D)][c.shape].append(c.accept_length)
+    rows = []
+    for (w, d), shapes in by_shape.items():
+        means = {s: fmean(v) for s, v in shapes.items()}
+        trees = {s: m for s, m in means.items() if s != "chain"}
+        if "chain" not in means or not trees:
+            continue
+        best = max(trees, key=trees.get)
+        rows.append(AcceptRow(w, d, means["chain"], best, trees[best]))
+    return sorted(rows, key=lambda r: (r.D, r.workload))
+
+
+def throughput_ratio_grid(comparisons: list[Comparison]) -> dict[tuple[str, int, int], float | None]:
+    """(workload, batch, D) -> tree/chain throughput ratio, with workload "mean" averaging
+    over workloads."""
+    out: dict[tuple[str, int, int], float | None] = {}
+    pooled: dict[tuple[int, int], list[float | None]] = defaultdict(list)
+    for c in comparisons:
+        out[(c.workload, c.batch_size, c.D)] = c.throughput_ratio
+        pooled[(c.batch_size, c.D)].append(c.throughput_ratio)
+    for (b, d), values in pooled.items():
+        out[("mean", b, d)] = _mean(values)
+    return out
+
+
+@dataclass
+class BreakdownRow:
+    """Mean ms per round per phase over workloads, for one kind at one (batch, D)."""
+
+    kind: str            # baseline | chain | tree (the best tree by throughput per workload)
+    batch_size: int
+    D: int | None
+    ms: dict[str, float]   # BREAKDOWN_PHASES and "total"
+
+
+def breakdown_table(cells: list[CellResult], comparisons: list[Comparison]) -> list[BreakdownRow]:
+    picked: dict[tuple[str, int, int | None], list[CellResult]] = defaultdict(list)
+    for c in cells:
+        if c.kind == "baseline":
+            picked[("baseline", c.batch_size, None)].append(c)
+    for cmp in comparisons:
+        picked[("chain", cmp.batch_size, cmp.D)].append(cmp.chain)
+        picked[("tree", cmp.batch_size, cmp.D)].append(cmp.best_tree)
+    rows = []
+    for (kind, b, d), group in picked.items():
+        ms = {p: fmean(c.ms_per_round.get(p, 0.0) for c in group) for p in (*BREAKDOWN_PHASES, "total")}
+        rows.append(BreakdownRow(kind, b, d, ms))
+    order = {"baseline": 0, "chain": 1, "tree": 2}
+    return sorted(rows, key=lambda r: (r.batch_size, r.D or 0, order[r.kind]))
+
+
+def summary(cells: list[CellResult], comparisons: list[Comparison], config: dict,
+            wall_seconds: float) -> dict:
+    """The one-line JSON the benchmark prints last: headline gains by D and the best case."""
+    by_d: dict[int, list[Comparison]] = defaultdict(list)
+    for c in comparisons:
+        by_d[c.D].append(c)
+    accept_gain = {d: _mean([None if c.accept_ratio is None else c.accept_ratio - 1 for c in cs])
+                   for d, cs in sorted(by_d.items())}
+    tp_gain = {d: _mean([None if c.throughput_ratio is None else c.throughput_ratio - 1 for c in cs])
+               for d, cs in sorted(by_d.items())}
+    best = max((c for c in comparisons if c.throughput_ratio is not None),
+               key=lambda c: c.throughput_ratio, default=None)
+    spec_cells = [c for c in cells if c.kind != "baseline"]
+    mismatches = sum(1 for c in spec_cells if c.matches_baseline is False)
+    return {
+        "benchmark": "branchspec.bench",
+        "num_cells": len(cells),
+        "wall_seconds": round(wall_seconds, 2),
+        "config": config,
+        "mean_accept_gain_by_D": {str(d): _round(v) for d, v in accept_gain.items()},
+        "mean_throughput_gain_by_D": {str(d): _round(v) for d, v in tp_gain.items()},
+        "mean_conversion_by_D": {str(d): _round(_mean([c.conversion for c in cs])) for d, cs in sorted(by_d.items())},
+        "best_throughput_gain": None if best is None else {
+            "workload": best.workload, "batch_size": best.batch_size, "D": best.D,
+            "shape": best.best_tree.shape, "gain": _round(best.throughput_ratio - 1)},
+        "max_speedup_vs_baseline": _round(max((c.speedup or 0.0 for c in spec_cells), default=None)),
+        "greedy_output_mismatches": mismatches,
+    }
+
+
+def _round(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None else round(v, digits)

@@ -1,0 +1,282 @@
+"""Running the tree-vs-chain study: `run_study(StudyConfig) -> StudyResult`.
+
+For every workload and batch size the baseline (no speculation) runs first, then the
+chain and every tree shape at each budget D, back to back in one process, so the ratios
+the report draws (speedup, tree/chain) compare runs made under the same machine load.
+Each cell is one `LLM.generate` call on ``batch_size`` prompts with
+``ignore_eos=True``: every request generates exactly ``max_tokens`` tokens, so the batch
+stays full until the last rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
+from branchspec.bench.metrics import CellResult, measure_cell
+from branchspec.config import EngineConfig, SamplingParams, SpecConfig
+from branchspec.data.workloads import WORKLOADS, load_workload
+
+DEFAULT_WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
+DEFAULT_BUDGETS = (5, 6, 7, 8)
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What to sweep. Invalid values raise ValueError at construction, before any work.
+
+    model: a checkpoint folder, or None for the embedded default checkpoint.
+    tree_shapes: explicit (num_steps x topk) shapes, each valid at every budget; None picks
+    up to ``max_tree_shapes`` valid shapes per budget (`grid.default_tree_shapes`).
+    num_prompts: eval prompts per workload; a batch larger than this cycles through them.
+    max_prompt_tokens: eval prompts longer than this (after encoding) are skipped, in
+    order, so a few very long ShareGPT openings do not dominate prefill and context cost.
+    prompts_override: workload name -> token-id prompts, used instead of loading the
+    named workloads (for checkpoints without a tokenizer, e.g. in tests); ``workloads``
+    must then name keys of it.
+    """
+
+    model: str | Path | None = None
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    tree_shapes: tuple[TreeShape, ...] | None = None
+    max_tree_shapes: int = DEFAULT_MAX_SHAPES
+    max_tokens: int = 128
+    num_prompts: int = 64
+    max_prompt_tokens: int = 512
+    temperature: float = 0.0
+    out_dir: str | Path = "bench_out"
+    mbpp_path: str | Path | None = None
+    dtype: str = "float32"
+    threads: int | None = None
+    prompts_override: dict[str, list[list[int]]] | None = None
+    progress: bool = True
+    warmup: bool = True
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        # Tuples (CLI and callers may pass lists), duplicates dropped, order kept.
+        for name in ("workloads", "budgets", "batch_sizes"):
+            object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
+        if self.tree_shapes is not None:
+            object.__setattr__(self, "tree_shapes", tuple(self.tree_shapes))
+        if not self.workloads:
+            raise ValueError("no workloads given")
+        if self.prompts_override is not None:
+            missing = [w for w in self.workloads if w not in self.prompts_override]
+            if missing:
+                raise ValueError(f"workloads {missing} have no prompts in prompts_override "
+                                 f"(keys: {sorted(self.prompts_override)})")
+            for w in self.workloads:
+                prompts = self.prompts_override[w]
+                if not prompts or any(not p or not all(isinstance(t, int) for t in p) for p in prompts):
+                    raise ValueError(f"prompts_override[{w!r}] must be a non-empty list of non-empty token-id lists")
+        else:
+            unknown = [w for w in self.workloads if w not in WORKLOADS]
+            if unknown:
+                raise ValueError(f"unknown workload(s) {unknown}; valid workloads: {', '.join(WORKLOADS)}")
+        if not self.budgets:
+            raise ValueError("no budgets D given")
+        for d in self.budgets:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 2:
+                raise ValueError(f"budget D={d!r} is invalid: D counts verified tokens per round, root "
+                                 "included, so it must be an integer >= 2")
+        if not self.batch_sizes:
+            raise ValueError("no batch sizes given")
+        for b in self.batch_sizes:
+            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+                raise ValueError(f"batch size {b!r} is invalid: it must be an integer >= 1")
+        if self.max_tree_shapes < 0:
+            raise ValueError(f"max_tree_shapes must be >= 0, got {self.max_tree_shapes}")
+        for d in self.budgets:
+            # Every explicit shape must work at every budget: raises naming shape and D.
+            specs_at_budget(d, list(self.tree_shapes) if self.tree_shapes is not None else None,
+                            self.max_tree_shapes)
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.num_prompts, int) or self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be an integer >= 1, got {self.num_prompts!r}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def specs_at(self, num_draft_tokens: int) -> list[SpecConfig]:
+        """Chain first, then the tree shapes, at budget D."""
+        shapes = list(self.tree_shapes) if self.tree_shapes is not None else None
+        return specs_at_budget(num_draft_tokens, shapes, self.max_tree_shapes)
+
+    def num_cells(self) -> int:
+        per_group = 1 + sum(len(self.specs_at(d)) for d in self.budgets)
+        return len(self.workloads) * len(self.batch_sizes) * per_group
+
+    def describe(self) -> dict:
+        """The configuration as JSON-ready values (prompts_override summarised)."""
+        return {
+            "model": str(self.model) if self.model is not None else "default",
+            "workloads": list(self.workloads), "budgets": list(self.budgets),
+            "batch_sizes": list(self.batch_sizes),
+            "tree_shapes": {d: [shape_label(s) for s in self.specs_at(d)[1:]] for d in self.budgets},
+            "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
+            "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
+            "dtype": self.dtype, "threads": self.threads or torch.get_num_threads(),
+            "prompts": "override" if self.prompts_override is not None else "eval split",
+        }
+
+
+@dataclass
+class StudyResult:
+    """Every cell, the derived comparisons, and where the outputs were written."""
+
+    config: StudyConfig
+    cells: list[CellResult]
+    comparisons: list  # list[analysis.Comparison]
+    summary: dict
+    out_dir: Path
+    files: dict[str, Path] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+
+
+def load_prompts(cfg: StudyConfig, llm) -> dict[str, list[list[int]]]:
+    """Token-id prompts per workload: the first ``num_prompts`` eval prompts that fit
+    ``max_prompt_tokens`` (chat prompts rendered with the chat template), or the override."""
+    if cfg.prompts_override is not None:
+        V = llm.config.vocab_size
+        out = {}
+        for w in cfg.workloads:
+            prompts = [list(p) for p in cfg.prompts_override[w][: cfg.num_prompts]]
+            bad = [t for p in prompts for t in p if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompts_override[{w!r}] has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+            out[w] = prompts
+        return out
+    if llm.tokenizer is None:
+        raise ValueError(f"checkpoint {llm.path} has no tokenizer.json, so text workloads cannot be "
+                         "encoded; use a checkpoint with a tokenizer or pass prompts_override")
+    out = {}
+    for w in cfg.workloads:
+        prompts: list[list[int]] = []
+        for example in load_workload(w, "eval", mbpp_path=cfg.mbpp_path):
+            ids = llm.encode(example.prompt_text())
+            if len(ids) <= cfg.max_prompt_tokens:
+                prompts.append(ids)
+                if len(prompts) == cfg.num_prompts:
+                    break
+        if not prompts:
+            raise ValueError(f"workload {w!r} has no eval prompt of at most {cfg.max_prompt_tokens} tokens")
+        out[w] = prompts
+    return out
+
+
+def batch_prompts(pool: list[list[int]], batch_size: int) -> list[list[int]]:
+    """``batch_size`` prompts, cycling through the pool when it is smaller."""
+    return [pool[i % len(pool)] for i in range(batch_size)]
+
+
+def run_study(cfg: StudyConfig) -> StudyResult:
+    """Run every cell, write results.jsonl, report.md and the plots into ``cfg.out_dir``."""
+    from branchspec.bench import analysis, plots, report   # matplotlib only when run
+    from branchspec.llm import LLM
+
+    t_start = time.perf_counter()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    llm = LLM(cfg.model, dtype=cfg.dtype)
+    if llm.model.mtp is None:
+        raise ValueError(f"checkpoint {llm.path} has no MTP block, so it cannot draft; the study needs one")
+    prompts = load_prompts(cfg, llm)
+    longest = max(len(p) for pool in prompts.values() for p in pool)
+    # Cache pools sized for the longest request plus one round of slack, not the model's
+    # full max_position: smaller pools, same behaviour.
+    max_len = min(llm.config.max_position, longest + cfg.max_tokens + max(cfg.budgets))
+    if longest + cfg.max_tokens > max_len:
+        raise ValueError(f"a prompt of {longest} tokens + max_tokens {cfg.max_tokens} exceeds the model's "
+                         f"max_position {llm.config.max_position}; lower max_tokens or max_prompt_tokens")
+    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, ignore_eos=True)
+
+    def set_batch(b: int) -> None:
+        # LLM builds a fresh Engine from engine_config on every generate() call.
+        llm.engine_config = EngineConfig(max_batch_size=b, page_size=16, max_model_len=max_len)
+
+    if cfg.warmup:
+        # One short untimed run of each path, so one-time costs (allocator growth, lazy
+        # initialisation) do not land in the first measured cell.
+        set_batch(1)
+        first = next(iter(prompts.values()))[:1]
+        warm = SamplingParams(temperature=cfg.temperature, max_tokens=min(4, cfg.max_tokens), ignore_eos=True)
+        llm.generate(first, warm)
+        llm.generate(first, warm, spec=cfg.specs_at(cfg.budgets[0])[-1])
+
+    cells: list[CellResult] = []
+    results_path = out_dir / "results.jsonl"
+    bar = _progress(cfg)
+    with results_path.open("w") as f:
+        for workload in cfg.workloads:
+            for b in cfg.batch_sizes:
+                set_batch(b)
+                batch = batch_prompts(prompts[workload], b)
+                group = [None] + [s for d in cfg.budgets for s in cfg.specs_at(d)]
+                baseline: CellResult | None = None
+                baseline_ids: list[list[int]] = []
+                for spec in group:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{workload} bs={b} {_cell_name(spec)}")
+                    t0 = time.perf_counter()
+                    outs = llm.generate(batch, params, spec=spec)
+                    wall = time.perf_counter() - t0
+                    cell = measure_cell(workload, spec, outs, llm.last_stats, wall_seconds=wall,
+                                        max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+                    if spec is None:
+                        baseline, baseline_ids = cell, [o.token_ids for o in outs]
+                        cell.speedup = 1.0
+                    else:
+                        assert baseline is not None
+                        base_tp = baseline.throughput_tok_s
+                        cell.speedup = cell.throughput_tok_s / base_tp if base_tp > 0 else None
+                        if cfg.temperature == 0.0:
+                            cell.matches_baseline = [o.token_ids for o in outs] == baseline_ids
+                    cells.append(cell)
+                    f.write(json.dumps(cell.to_dict()) + "\n")
+                    f.flush()  # a long sweep that is interrupted keeps what it measured
+                    if bar is not None:
+                        bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    comparisons = analysis.compare(cells)
+    wall_seconds = time.perf_counter() - t_start
+    summary = analysis.summary(cells, comparisons, cfg.describe(), wall_seconds)
+    files = {"results": results_path}
+    files["report"] = report.write_report(out_dir / "report.md", cells, comparisons, summary)
+    if cfg.plots:
+        files.update(plots.write_plots(out_dir, cells, comparisons))
+    summary["files"] = {k: str(v) for k, v in files.items()}
+    return StudyResult(config=cfg, cells=cells, comparisons=comparisons, summary=summary,
+                       out_dir=out_dir, files=files, wall_seconds=wall_seconds)
+
+
+def _cell_name(spec: SpecConfig | None) -> str:
+    return "baseline" if spec is None else f"D={spec.num_draft_tokens} {shape_label(spec)}"
+
+
+def _progress(cfg: StudyConfig):
+    """A tqdm bar over cells (its ETA is the remaining-time estimate), or None."""
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=cfg.num_cells(), desc="bench", unit="cell", dynamic_ncols=True)

@@ -1,0 +1,149 @@
+"""`branchspec` command line: generate, bench, train. Flag names follow SGLang."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from branchspec.config import SamplingParams, SpecConfig
+
+
+def _spec_from_args(args, parser) -> SpecConfig | None:
+    if args.speculative_algorithm.upper() == "NONE":
+        return None
+    steps = args.speculative_num_steps if args.speculative_num_steps is not None else 3
+    topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else 2
+    draft = args.speculative_num_draft_tokens
+    if draft is None:
+        draft = steps + 1 if topk == 1 else 6
+    try:
+        return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=draft)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text for one prompt and show speculation stats")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded v4-mini)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--speculative-algorithm", default="EAGLE", choices=["EAGLE", "NONE", "eagle", "none"],
+                   help="EAGLE: MTP draft trees (default); NONE: plain decoding")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 3)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching per step (default 2; 1 = chain)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="verify budget D per round, root included (default 6; steps+1 for a chain)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_generate, parser=p)
+
+
+def _generate(args) -> int:
+    from branchspec.llm import LLM
+
+    spec = _spec_from_args(args, args.parser)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)
+    except ValueError as e:
+        args.parser.error(str(e))
+    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, spec=spec)[0]
+    else:
+        out = llm.generate([args.prompt], params, spec=spec)[0]
+    st = llm.last_stats
+    phases = {k: round(v * 1e3 / max(st.num_rounds, 1), 3) for k, v in st.phase_seconds.items()}
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "accept_length": out.accept_length,
+                          "decode_tok_s": st.decode_throughput, "ms_per_round": phases,
+                          "spec": None if spec is None else vars(spec)}))
+        return 0
+    print(out.text)
+    print("-" * 60)
+    what = "plain decoding" if spec is None else (
+        f"steps={spec.num_steps} topk={spec.topk} D={spec.num_draft_tokens}")
+    print(f"{len(out.token_ids)} tokens, {what}, finish={out.finish_reason}")
+    if spec is not None:
+        print(f"accept length {out.accept_length:.2f} tokens/round over {out.num_rounds} rounds")
+    print(f"decode {st.decode_throughput:.1f} tok/s (prefill {st.prefill_seconds * 1e3:.0f} ms)")
+    if st.num_rounds:
+        print("ms per round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "prefill"))
+    return 0
+
+
+def _add_train(sub):
+    from branchspec.train.trainer import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train a target model and its MTP drafter on the workloads")
+    p.add_argument("--out", default=d.out, help="run folder (tokenizer, state.pt, loss.png, log)")
+    p.add_argument("--model", default=d.model, help="model preset: v4-mini or tiny")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/state.pt if present")
+    p.add_argument("--export", default=None, help="checkpoint folder to write at the end (default OUT/checkpoint)")
+    p.set_defaults(func=_train, parser=p)
+
+
+def _train(args) -> int:
+    from branchspec.train.trainer import TrainConfig, train
+
+    try:
+        cfg = TrainConfig(out=args.out, model=args.model, steps=args.steps, batch_size=args.batch_size,
+                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, mtp_weight=args.mtp_weight,
+                          eval_every=args.eval_every, save_every=args.save_every, vocab_size=args.vocab_size,
+                          seed=args.seed, mbpp_path=args.mbpp_path)
+    except ValueError as e:
+        args.parser.error(str(e))
+    folder = train(cfg, resume=args.resume, export=args.export)
+    print(f"checkpoint written to {folder}")
+    return 0
+
+
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="tree vs chain at matched budgets, batch sizes and workloads")
+    try:
+        from branchspec.bench.cli import add_arguments, main
+    except ImportError:  # the study module is optional at import time
+        p.set_defaults(func=lambda args: (print("branchspec bench is not available", file=sys.stderr), 2)[1])
+        return
+    add_arguments(p)
+    p.set_defaults(func=main, parser=p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="branchspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_train(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"branchspec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
