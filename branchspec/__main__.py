@@ -1,0 +1,5 @@
+import sys
+
+from branchspec.cli import main
+
+sys.exit(main())
