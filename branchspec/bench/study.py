@@ -20,7 +20,8 @@ import torch
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig
-from branchspec.data.workloads import WORKLOADS, load_workload
+from branchspec.data.workloads import MBPP_ENV_VAR, WORKLOADS, load_workload, resolve_mbpp_path
+from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 
 DEFAULT_WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
 DEFAULT_BUDGETS = (5, 6, 7, 8)
@@ -83,6 +84,10 @@ class StudyConfig:
             unknown = [w for w in self.workloads if w not in WORKLOADS]
             if unknown:
                 raise ValueError(f"unknown workload(s) {unknown}; valid workloads: {', '.join(WORKLOADS)}")
+            # MBPP is read from a local file: find out now, not after the other workloads ran.
+            if "mbpp" in self.workloads and resolve_mbpp_path(self.mbpp_path) is None:
+                raise ValueError(f"workload 'mbpp' needs a local mbpp.jsonl: pass --mbpp-path / mbpp_path, "
+                                 f"set ${MBPP_ENV_VAR}, or run where ../shared/data/mbpp.jsonl exists")
         if not self.budgets:
             raise ValueError("no budgets D given")
         for d in self.budgets:
@@ -94,8 +99,8 @@ class StudyConfig:
         for b in self.batch_sizes:
             if not isinstance(b, int) or isinstance(b, bool) or b < 1:
                 raise ValueError(f"batch size {b!r} is invalid: it must be an integer >= 1")
-        if self.max_tree_shapes < 0:
-            raise ValueError(f"max_tree_shapes must be >= 0, got {self.max_tree_shapes}")
+        if self.max_tree_shapes < 1:
+            raise ValueError(f"max_tree_shapes must be >= 1, got {self.max_tree_shapes}")
         for d in self.budgets:
             # Every explicit shape must work at every budget: raises naming shape and D.
             specs_at_budget(d, list(self.tree_shapes) if self.tree_shapes is not None else None,
@@ -112,6 +117,10 @@ class StudyConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        folder = Path(self.model) if self.model is not None else DEFAULT_CHECKPOINT
+        if not (folder / "config.json").is_file():
+            which = "the embedded default checkpoint" if self.model is None else "checkpoint"
+            raise ValueError(f"{which} folder {folder} has no config.json; pass --model PATH / model=...")
 
     def specs_at(self, num_draft_tokens: int) -> list[SpecConfig]:
         """Chain first, then the tree shapes, at budget D."""
@@ -188,7 +197,6 @@ def batch_prompts(pool: list[list[int]], batch_size: int) -> list[list[int]]:
 def run_study(cfg: StudyConfig) -> StudyResult:
     """Run every cell, write results.jsonl, report.md and the plots into ``cfg.out_dir``."""
     from branchspec.bench import analysis, plots, report   # matplotlib only when run
-    from branchspec.llm import LLM
 
     t_start = time.perf_counter()
     if cfg.threads is not None:
@@ -261,10 +269,10 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     comparisons = analysis.compare(cells)
     wall_seconds = time.perf_counter() - t_start
     summary = analysis.summary(cells, comparisons, cfg.describe(), wall_seconds)
-    files = {"results": results_path}
-    files["report"] = report.write_report(out_dir / "report.md", cells, comparisons, summary)
-    if cfg.plots:
-        files.update(plots.write_plots(out_dir, cells, comparisons))
+    files: dict[str, Path] = {"results": results_path}
+    plot_files = plots.write_plots(out_dir, cells, comparisons) if cfg.plots else {}
+    files.update(plot_files)
+    files["report"] = report.write_report(out_dir / "report.md", cells, comparisons, summary, plot_files)
     summary["files"] = {k: str(v) for k, v in files.items()}
     return StudyResult(config=cfg, cells=cells, comparisons=comparisons, summary=summary,
                        out_dir=out_dir, files=files, wall_seconds=wall_seconds)

@@ -131,8 +131,11 @@ def plot_losses(history: list[dict], evals: list[dict], path: Path) -> None:
 
 
 def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = None,
-          progress: bool = True) -> Path:
-    """Run (or resume) training; returns the exported checkpoint folder."""
+          progress: bool = True, stop_after: int | None = None) -> Path | None:
+    """Run (or resume) training; returns the exported checkpoint folder.
+
+    `stop_after` ends this run after that many steps (state saved, nothing exported, None
+    returned) without changing the schedule, so a long run can be split across sittings."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -169,7 +172,8 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    while step < cfg.steps:
+    end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
+    while step < end:
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -192,10 +196,12 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
             evals.append({"step": step, "report": evaluate(model, windows)})
             with open(out / "train_log.jsonl", "a") as f:
                 f.write(json.dumps(evals[-1]) + "\n")
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        if step % cfg.save_every == 0 or step == end:
             save_state()
     if bar is not None:
         bar.close()
+    if step < cfg.steps:
+        return None
 
     folder = Path(export) if export is not None else out / "checkpoint"
     info = {

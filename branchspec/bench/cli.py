@@ -1,0 +1,146 @@
+"""`branchspec bench`: flags, presets, and the printed table + JSON line.
+
+The top-level CLI calls ``add_arguments(subparser)`` and ``main(args)``;
+``python -m branchspec.bench`` does the same on its own parser.
+
+Presets: without ``--quick`` the defaults are the full sweep (3 workloads x D 5-8 x batch
+1/4/16/64 x chain + up to 4 tree shapes, 128 tokens). ``--quick`` shrinks it to D = 6,
+batch 1 and 4, chain + 2 trees, 32 tokens, 4 prompts per workload. Flags given
+explicitly override the preset either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from branchspec.bench.grid import DEFAULT_MAX_SHAPES, parse_tree_shapes
+from branchspec.bench.study import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_BUDGETS,
+    DEFAULT_WORKLOADS,
+    DTYPES,
+    StudyConfig,
+    run_study,
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    workloads: tuple[str, ...]
+    budgets: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    max_tree_shapes: int
+    max_tokens: int
+    num_prompts: int
+
+
+FULL = Preset(DEFAULT_WORKLOADS, DEFAULT_BUDGETS, DEFAULT_BATCH_SIZES, DEFAULT_MAX_SHAPES,
+              max_tokens=128, num_prompts=64)
+QUICK = Preset(DEFAULT_WORKLOADS, (6,), (1, 4), 2, max_tokens=32, num_prompts=4)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    values = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return values
+
+
+def _shapes(text: str):
+    try:
+        return tuple(parse_tree_shapes(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench flags. List defaults are None so a preset can tell 'not given' apart."""
+    p = parser
+    p.add_argument("--quick", action="store_true",
+                   help="small preset: D=6, batch 1,4, chain + 2 trees, 32 tokens, 4 prompts per workload")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="checkpoint folder (default: the embedded default checkpoint)")
+    p.add_argument("--workloads", type=_name_list, default=None, metavar="W[,W..]",
+                   help=f"eval workloads (default: {','.join(FULL.workloads)})")
+    p.add_argument("--budgets", type=_int_list, default=None, metavar="D[,D..]",
+                   help="verify budgets D, root included (default: 5,6,7,8)")
+    p.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B[,B..]",
+                   help="batch sizes (default: 1,4,16,64)")
+    p.add_argument("--tree-shapes", type=_shapes, default=None, metavar="SxK[,SxK..]",
+                   help="tree shapes num_steps x topk, each valid at every D (default: a grid per D)")
+    p.add_argument("--max-tree-shapes", type=int, default=None, metavar="N",
+                   help=f"shapes per D in the default grid (default: {FULL.max_tree_shapes})")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request (default: 128)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="eval prompts per workload; larger batches cycle through them (default: 64)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="skip eval prompts longer than this many tokens (default: 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")
+    p.add_argument("--mbpp-path", default=None,
+                   help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    """Apply the preset under explicit flags; ValueError for values that cannot work."""
+    preset = QUICK if args.quick else FULL
+    pick = lambda given, default: default if given is None else given  # noqa: E731
+    return StudyConfig(
+        model=args.model,
+        workloads=pick(args.workloads, preset.workloads),
+        budgets=pick(args.budgets, preset.budgets),
+        batch_sizes=pick(args.batch_sizes, preset.batch_sizes),
+        tree_shapes=args.tree_shapes,
+        max_tree_shapes=pick(args.max_tree_shapes, preset.max_tree_shapes),
+        max_tokens=pick(args.max_tokens, preset.max_tokens),
+        num_prompts=pick(args.num_prompts, preset.num_prompts),
+        max_prompt_tokens=args.max_prompt_tokens,
+        temperature=args.temperature,
+        out_dir=args.out,
+        mbpp_path=args.mbpp_path,
+        dtype=args.dtype,
+        threads=args.threads,
+        progress=not args.no_progress,
+        plots=not args.no_plots,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the study; print the tables, then one line of JSON. Returns the exit status
+    (2 with an argparse-style message for a configuration that cannot work)."""
+    from branchspec.bench.report import console_tables
+
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"branchspec bench: error: {e}", file=sys.stderr)
+        return 2
+    result = run_study(cfg)
+    print(console_tables(result.cells, result.comparisons))
+    print(f"\nwrote {', '.join(str(p) for p in result.files.values())}")
+    print(json.dumps(result.summary))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="branchspec bench",
+                                     description="tree vs chain speculative decoding at matched budget D")
+    add_arguments(parser)
+    return parser

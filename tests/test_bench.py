@@ -1,0 +1,156 @@
+"""The tree-vs-chain study on a tiny random checkpoint: every output file is written with
+every field and column, and bad arguments fail clearly before any work. No speed checks."""
+
+import json
+
+import pytest
+import torch
+
+from branchspec.bench import cli
+from branchspec.bench.grid import TreeShape, default_tree_shapes, parse_tree_shapes, specs_at_budget
+from branchspec.bench.metrics import CellResult
+from branchspec.bench.report import (
+    ACCEPT_HEADERS,
+    BREAKDOWN_HEADERS,
+    CELL_HEADERS,
+    COMPARISON_HEADERS,
+    THROUGHPUT_HEADERS_LEAD,
+)
+from branchspec.bench.study import StudyConfig, run_study
+from branchspec.config import tiny_config
+from branchspec.engine.runner import ROUND_PHASES
+from branchspec.model.weights import random_model, save_checkpoint
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CELL_FIELDS = {f for f in CellResult.__dataclass_fields__}
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench_ckpt")
+    save_checkpoint(random_model(tiny_config(), seed=1, dtype="float64", std=0.3), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def study(tiny_ckpt, tmp_path_factory):
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    # Two synthetic "workloads" of token-id prompts (tiny models have no tokenizer).
+    prompts = {w: [torch.randint(3, 64, (n,), generator=g).tolist() for n in (7, 12, 5)]
+               for w in ("alpha", "beta")}
+    cfg = StudyConfig(model=tiny_ckpt, workloads=("alpha", "beta"), budgets=(5,), batch_sizes=(1, 2),
+                      tree_shapes=(TreeShape(3, 2),), max_tokens=6, num_prompts=3, dtype="float64",
+                      threads=1, out_dir=tmp_path_factory.mktemp("bench_out"), prompts_override=prompts,
+                      progress=False)
+    return run_study(cfg)
+
+
+def _table_headers(markdown: str) -> list[tuple[str, ...]]:
+    """Header rows of every markdown table: a `| .. |` line followed by a `|---|` line."""
+    lines = markdown.splitlines()
+    return [tuple(c.strip() for c in line.strip("|").split("|"))
+            for line, nxt in zip(lines, lines[1:]) if line.startswith("| ") and nxt.startswith("|---")]
+
+
+def test_results_jsonl_has_one_full_line_per_cell(study):
+    lines = (study.out_dir / "results.jsonl").read_text().splitlines()
+    assert len(lines) == study.config.num_cells() == 2 * 2 * 3   # workloads x batches x (base, chain, tree)
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        assert set(r) == CELL_FIELDS
+        assert r["kind"] in ("baseline", "chain", "tree")
+        assert r["tokens"] == r["batch_size"] * 6            # ignore_eos: every request runs to max_tokens
+        assert set(r["ms_per_round"]) == {*ROUND_PHASES, "other", "total"}
+        assert r["throughput_tok_s"] > 0 and r["num_rounds"] > 0
+        if r["kind"] == "baseline":
+            assert r["D"] is None and r["accept_length"] == 1.0 and r["speedup"] == 1.0
+        else:
+            assert r["D"] == 5 and len(r["accept_rate_per_depth"]) == 4
+            assert 1.0 <= r["accept_length"] <= 5.0
+            assert all(0.0 <= a <= 1.0 for a in r["accept_rate_per_depth"])
+            assert r["speedup"] > 0
+            assert r["matches_baseline"] is True           # greedy speculation is lossless
+    assert [(r["workload"], r["batch_size"], r["shape"]) for r in records][:3] == [
+        ("alpha", 1, "baseline"), ("alpha", 1, "chain"), ("alpha", 1, "3x2")]
+
+
+def test_report_has_every_table_column(study):
+    text = (study.out_dir / "report.md").read_text()
+    headers = _table_headers(text)
+    for expected in (ACCEPT_HEADERS, COMPARISON_HEADERS, BREAKDOWN_HEADERS, CELL_HEADERS,
+                     (*THROUGHPUT_HEADERS_LEAD, "D=5")):
+        assert tuple(expected) in headers, f"missing table with columns {expected}"
+    assert len(study.comparisons) == 2 * 2                # workloads x batch sizes at D=5
+    for name in ("accept_length.png", "throughput_ratio.png", "round_breakdown.png"):
+        assert f"]({name})" in text
+
+
+def test_plots_are_png_files(study):
+    for name in ("accept_length", "throughput_ratio", "round_breakdown"):
+        path = study.files[name]
+        assert path.is_file() and path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_cli_prints_tables_then_one_json_line(study, tiny_ckpt, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_study", lambda cfg: study)
+    args = cli.build_parser().parse_args(["--quick", "--no-progress", "--model", str(tiny_ckpt)])
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert summary["num_cells"] == 12 and "5" in summary["mean_throughput_gain_by_D"]
+    assert any("throughput gain" in line for line in out[:-1])
+
+
+def test_quick_preset_and_explicit_flags(tiny_ckpt):
+    parser = cli.build_parser()
+    model = ["--model", str(tiny_ckpt)]
+    quick = cli.config_from_args(parser.parse_args(["--quick", "--workloads", "gsm8k", *model]))
+    assert (quick.budgets, quick.batch_sizes, quick.max_tokens, quick.num_prompts) == ((6,), (1, 4), 32, 4)
+    assert [s.topk for s in quick.specs_at(6)] == [1, 2, 3]   # chain + 2 trees
+    full = cli.config_from_args(parser.parse_args(["--workloads", "gsm8k", "--max-tokens", "16", *model]))
+    assert full.budgets == (5, 6, 7, 8) and full.batch_sizes == (1, 4, 16, 64) and full.max_tokens == 16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workloads", "gsm8k,nope"], "unknown workload"),
+    (["--budgets", "1,6"], "D=1"),
+    (["--batch-sizes", "4,0"], "batch size 0"),
+    (["--tree-shapes", "5x2", "--budgets", "5,6"], "tree shape 5x2 (num_steps x topk) is invalid at D=5"),
+    (["--tree-shapes", "1x2", "--budgets", "6"], "invalid at D=6"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--model", "/nonexistent/ckpt"], "has no config.json"),
+])
+def test_invalid_values_fail_before_any_work(argv, message, tmp_path, capsys):
+    out = tmp_path / "never"
+    extra = [] if "--workloads" in argv else ["--workloads", "gsm8k"]
+    args = cli.build_parser().parse_args([*argv, *extra, "--out", str(out)])
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree-shapes", "3by2"], "bad tree shape '3by2'"),
+    (["--tree-shapes", "3x1"], "topk must be >= 2"),
+    (["--budgets", "5,six"], "comma-separated integers"),
+])
+def test_malformed_flags_are_parser_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_grid_and_study_config_checks():
+    for d in (5, 6, 7, 8):
+        shapes = default_tree_shapes(d)
+        assert 1 <= len(shapes) <= 4
+        specs = specs_at_budget(d)
+        assert specs[0].is_chain and specs[0].num_draft_tokens == d
+        assert all(not s.is_chain and s.num_draft_tokens == d for s in specs[1:])
+    assert parse_tree_shapes("3x2, 2X3,3x2") == [TreeShape(3, 2), TreeShape(2, 3)]
+    with pytest.raises(ValueError, match="no prompts in prompts_override"):
+        StudyConfig(workloads=("alpha",), prompts_override={"beta": [[3, 4]]})
+    with pytest.raises(ValueError, match="budget D=1"):
+        StudyConfig(workloads=("alpha",), budgets=(1,), prompts_override={"alpha": [[3, 4]]})
