@@ -35,7 +35,8 @@ class GenerateStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    num_rounds: int = 0
+    num_rounds: int = 0             # verify rounds summed over requests
+    num_steps: int = 0              # batch-level decode steps / rounds
     accept_length: float = 0.0
 
     @property
@@ -139,5 +140,5 @@ class LLM:
         emitted = sum(s.stats.num_emitted for s in seqs)
         return GenerateStats(num_requests=len(seqs), num_generated=sum(len(s.output_ids) for s in seqs),
                              prefill_seconds=prefill, decode_seconds=max(elapsed - prefill, 0.0),
-                             phase_seconds=phases, num_rounds=rounds,
+                             phase_seconds=phases, num_rounds=rounds, num_steps=engine.num_steps,
                              accept_length=emitted / rounds if rounds else 0.0)

@@ -71,13 +71,11 @@ class CellResult:
 def measure_cell(workload: str, spec: SpecConfig | None, outputs: list[RequestOutput], stats: GenerateStats,
                  *, wall_seconds: float, max_tokens: int, temperature: float) -> CellResult:
     """Turn one generate() call into a CellResult (speedup and matches_baseline filled later)."""
+    steps = stats.num_steps
     if spec is None:
-        # The first token of each request comes from its prefill; every later one is a step.
-        steps = max(len(o.token_ids) for o in outputs) - 1
         accept_length, rates = 1.0, []
         kind, D, num_steps, topk = "baseline", None, None, None
     else:
-        steps = max(o.num_rounds for o in outputs)
         accept_length = stats.accept_length
         depth_hits = [0] * (spec.num_draft_tokens - 1)
         for o in outputs:

@@ -40,6 +40,7 @@ class Engine:
         # EOS always ends a request (unless ignore_eos); a tokenizer may add its turn-end token.
         self.stop_token_ids = {self.cfg.eos_token_id, *stop_token_ids}
         self._ids = itertools.count()
+        self.num_steps = 0  # decode steps / speculative rounds run over the batch
         self._seed_rng = torch.Generator().manual_seed(seed)
 
     # -- requests ---------------------------------------------------------------------
@@ -81,6 +82,7 @@ class Engine:
             return done
         self._reserve_round(1 if spec is None else spec.num_draft_tokens)
         running = list(self.scheduler.running)
+        self.num_steps += 1
         if spec is None:
             nxt = self.runner.decode_step(running)
             emitted = [[t] for t in nxt]
