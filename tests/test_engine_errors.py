@@ -54,9 +54,9 @@ def capture_engines(llm: LLM) -> list[tuple[Engine, dict, list]]:
         calls = []
         prefill = engine.runner.prefill
 
-        def counting_prefill(seq, *a, **k):
-            calls.append(seq.seq_id)
-            return prefill(seq, *a, **k)
+        def counting_prefill(seqs, *a, **k):
+            calls.extend(s.seq_id for s in seqs)
+            return prefill(seqs, *a, **k)
 
         engine.runner.prefill = counting_prefill
         seen.append((engine, engine.cache.num_free_pages(), calls))

@@ -126,3 +126,23 @@ def test_mtp_prefill_state_matches_token_by_token(tiny64):
             torch.testing.assert_close(torch.cat(logits), mtp_full.logits[0], atol=1e-10, rtol=0)
             caches.append(cache.snapshot(0, 0, mtp_length=len(ids))["mtp/0"])
     torch.testing.assert_close(caches[0], caches[1], atol=1e-10, rtol=0)
+
+
+def test_batched_prefill_state_equals_token_by_token(tiny64):
+    """The runner prefills admitted requests together, padded to the longest chunk."""
+    from branchspec.config import SamplingParams
+    from branchspec.engine.request import Sequence
+    from branchspec.engine.runner import ModelRunner
+
+    lengths = [5, 131, 300]
+    prompts = [_ids(n, seed=20 + i) for i, n in enumerate(lengths)]
+    cache = new_cache(tiny64, max_seqs=len(lengths))
+    seqs = [Sequence(seq_id=i, prompt_ids=p, params=SamplingParams()) for i, p in enumerate(prompts)]
+    for s in seqs:
+        cache.add(s.seq_id)
+        cache.reserve(s.seq_id, len(s.prompt_ids))
+    logits = ModelRunner(tiny64, cache, None, prefill_chunk_size=64).prefill(seqs, with_mtp=True)
+    for s, p, lg in zip(seqs, prompts, logits):
+        ref_cache, ref_logits = sequential(tiny64, p, chunk=1)
+        torch.testing.assert_close(lg, ref_logits[-1], atol=1e-10, rtol=0)
+        assert_same_state(cache.snapshot(s.seq_id, len(p)), ref_cache.snapshot(0, len(p)))

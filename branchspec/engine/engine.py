@@ -96,7 +96,8 @@ class Engine:
         return done
 
     def _admit(self, spec: SpecConfig | None) -> list[Sequence]:
-        done = []
+        """Admit waiting requests while pages and batch slots last; prefill them together."""
+        admitted = []
         while (seq := self.scheduler.next_admission()) is not None:
             need = len(seq.token_ids) - (1 if seq.output_ids else 0)
             try:
@@ -113,15 +114,21 @@ class Engine:
                     raise
                 break
             self.scheduler.admitted(seq)
-            logits = self.runner.prefill(seq, with_mtp=spec is not None)
-            if not seq.output_ids:  # a new request: its first token comes from the prefill
-                temp = torch.tensor([seq.params.temperature], dtype=torch.float64)
-                top_p = torch.tensor([seq.params.top_p], dtype=torch.float64)
-                first = int(target_tokens(logits[None, None], temp, top_p, [seq.generator])[0, 0])
-                self._append(seq, [first])
-                if seq.finished:
-                    self._release(seq)
-                    done.append(seq)
+            admitted.append(seq)
+        if not admitted:
+            return []
+        logits = self.runner.prefill(admitted, with_mtp=spec is not None)
+        done = []
+        for seq, lg in zip(admitted, logits):
+            if seq.output_ids:  # recomputed after preemption: its root is already there
+                continue
+            temp = torch.tensor([seq.params.temperature], dtype=torch.float64)
+            top_p = torch.tensor([seq.params.top_p], dtype=torch.float64)
+            first = int(target_tokens(lg[None, None], temp, top_p, [seq.generator])[0, 0])
+            self._append(seq, [first])
+            if seq.finished:
+                self._release(seq)
+                done.append(seq)
         return done
 
     def _reserve_round(self, num_nodes: int) -> None:

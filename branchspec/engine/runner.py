@@ -66,36 +66,42 @@ class ModelRunner:
 
     # -- prefill ----------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, seq: Sequence, with_mtp: bool) -> torch.Tensor:
-        """Feed every token before the root through the target (and the drafter), in chunks.
+    def prefill(self, seqs: list[Sequence], with_mtp: bool) -> list[torch.Tensor]:
+        """Feed every token before each root through the target (and the drafter), in
+        chunks, all sequences of the batch together (padded to the longest chunk).
 
-        A new request has no root yet: all prompt tokens are fed and the returned logits
+        A new request has no root yet: all prompt tokens are fed and its returned logits
         [V] at the last one choose the first output token. A recomputed (preempted) request
         feeds everything but its root. Pages must have been reserved.
         """
         t0 = time.perf_counter()
-        ids = seq.token_ids
-        end = len(ids) if not seq.output_ids else len(ids) - 1
-        sid = [seq.seq_id]
-        logits = None
-        while seq.num_committed < end:
-            L = seq.num_committed
-            n = min(self.chunk, end - L)
-            Lt = torch.tensor([L], device=self.device)
-            chunk = torch.tensor([ids[L:L + n]], device=self.device)
-            meta = chain_meta(Lt, n, self.cfg.compressed_ratios)
-            out = self.model(chunk, meta, self.cache.gather(sid, Lt))
-            self.cache.commit(sid, meta, out.scratch, meta.valid)
+        ends = [len(s.token_ids) - (1 if s.output_ids else 0) for s in seqs]
+        logits: list[torch.Tensor | None] = [None] * len(seqs)
+        while active := [i for i, s in enumerate(seqs) if s.num_committed < ends[i]]:
+            group = [seqs[i] for i in active]
+            ids = [s.seq_id for s in group]
+            L = self._lengths(group)
+            counts = [min(self.chunk, ends[i] - seqs[i].num_committed) for i in active]
+            N = max(counts)
+            tokens = torch.full((len(group), N), self.cfg.pad_token_id, dtype=torch.long)
+            for j, (s, n) in enumerate(zip(group, counts)):
+                tokens[j, :n] = torch.tensor(s.token_ids[s.num_committed:s.num_committed + n])
+            tokens = tokens.to(self.device)
+            num_new = torch.tensor(counts, device=self.device)
+            meta = chain_meta(L, num_new, self.cfg.compressed_ratios, max_new=N)
+            out = self.model(tokens, meta, self.cache.gather(ids, L))
+            self.cache.commit(ids, meta, out.scratch, meta.valid)
             if with_mtp:
-                first = (seq.last_hidden if seq.last_hidden is not None
-                         else torch.zeros_like(out.hidden[0, 0]))
-                prev = torch.cat([first[None, None], out.hidden[:, :-1]], dim=1)
-                mtp_meta = chain_meta(Lt, n, ())
-                mtp = self.model.mtp_forward(chunk, prev, mtp_meta, self.cache.gather_mtp(sid, Lt))
-                self.cache.commit_mtp(sid, mtp_meta, mtp.scratch[0], mtp_meta.valid)
-            seq.last_hidden = out.hidden[0, -1]
-            seq.num_committed = L + n
-            logits = out.logits[0, -1]
+                first = torch.stack([s.last_hidden if s.last_hidden is not None
+                                     else torch.zeros_like(out.hidden[0, 0]) for s in group])
+                prev = torch.cat([first[:, None], out.hidden[:, :-1]], dim=1)   # [B, N, d]
+                mtp_meta = chain_meta(L, num_new, (), max_new=N)
+                mtp = self.model.mtp_forward(tokens, prev, mtp_meta, self.cache.gather_mtp(ids, L))
+                self.cache.commit_mtp(ids, mtp_meta, mtp.scratch[0], mtp_meta.valid)
+            for j, (i, n) in enumerate(zip(active, counts)):
+                seqs[i].last_hidden = out.hidden[j, n - 1]
+                seqs[i].num_committed += n
+                logits[i] = out.logits[j, n - 1]
         self.timer.record("prefill", t0)
         return logits
 
