@@ -132,3 +132,40 @@ def test_sampled_speculative_follows_target_distribution(tmp_path):
     uniform = torch.full_like(expected, n / 64)
     chi2_u = ((counts - uniform) ** 2 / uniform).sum().item()
     assert chi2_sf(chi2_u, 63) < 1e-6
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.chain(6), SpecConfig(3, 2, 6)], ids=["chain6", "tree326"])
+def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts, spec):
+    """Invariant S through the engine: after several rounds, the target state and the
+    drafter KV (rebuilt with the target's hidden states by draft-extend) equal what a
+    sequential pass over the committed tokens builds."""
+    from branchspec.config import EngineConfig
+    from branchspec.engine.engine import Engine
+    from branchspec.model.weights import load_checkpoint
+    from helpers import assert_same_state, new_cache, sequential
+
+    model = load_checkpoint(trained_ckpt, "float64")
+    engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4))
+    seqs = [engine.add_request(prompts[i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in (1, 6)]
+    for _ in range(5):
+        engine.step(spec)
+    for seq in seqs:
+        L = seq.num_committed
+        assert not seq.finished and L > len(seq.prompt_ids)
+        committed = seq.token_ids[:L]
+        ref, _ = sequential(model, committed, chunk=1)
+        with torch.no_grad():
+            out, _ = model.full_forward(torch.tensor([committed]))
+            prev = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
+        ref_mtp = new_cache(model, max_seqs=1)
+        ref_mtp.add(0)
+        from branchspec.model.metadata import chain_meta
+        meta = chain_meta(torch.tensor([0]), L, ())
+        with torch.no_grad():
+            mtp = model.mtp_forward(torch.tensor([committed]), prev, meta,
+                                    ref_mtp.gather_mtp([0], torch.tensor([0])))
+        ref_mtp.commit_mtp([0], meta, mtp.scratch[0], meta.valid)
+        got = engine.cache.snapshot(seq.seq_id, L, mtp_length=L)
+        want = {**ref.snapshot(0, L), "mtp/0": ref_mtp.snapshot(0, 0, mtp_length=L)["mtp/0"]}
+        assert_same_state(got, want)
+        torch.testing.assert_close(seq.last_hidden, out.hidden[0, -1], atol=1e-10, rtol=0)
