@@ -154,3 +154,18 @@ def test_grid_and_study_config_checks():
         StudyConfig(workloads=("alpha",), prompts_override={"beta": [[3, 4]]})
     with pytest.raises(ValueError, match="budget D=1"):
         StudyConfig(workloads=("alpha",), budgets=(1,), prompts_override={"alpha": [[3, 4]]})
+
+
+def test_report_can_be_rebuilt_from_results(study, tmp_path):
+    """An interrupted sweep keeps its flushed cells; --report-only rebuilds the report."""
+    from branchspec.bench.study import report_from_results
+
+    with pytest.raises(FileNotFoundError, match="results.jsonl"):
+        report_from_results(tmp_path)
+    lines = (study.out_dir / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:6]) + "\n")   # one workload's cells
+    cells, comparisons, summary = report_from_results(tmp_path)
+    assert len(cells) == 6 and summary["num_cells"] == 6
+    assert comparisons and all(c.workload == cells[0].workload for c in comparisons)
+    assert (tmp_path / "report.md").is_file()
+    assert (tmp_path / "accept_length.png").read_bytes()[:4] == b"\x89PNG"

@@ -23,6 +23,7 @@ from branchspec.bench.study import (
     DEFAULT_WORKLOADS,
     DTYPES,
     StudyConfig,
+    report_from_results,
     run_study,
 )
 
@@ -96,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", metavar="DIR", default=None,
+                   help="rebuild report.md and the plots from DIR/results.jsonl (e.g. of an interrupted "
+                        "sweep) without running anything")
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
@@ -127,6 +131,15 @@ def main(args: argparse.Namespace) -> int:
     (2 with an argparse-style message for a configuration that cannot work)."""
     from branchspec.bench.report import console_tables
 
+    if getattr(args, "report_only", None):
+        try:
+            cells, comparisons, summary = report_from_results(args.report_only)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"branchspec bench: error: {e}", file=sys.stderr)
+            return 2
+        print(console_tables(cells, comparisons))
+        print(json.dumps(summary))
+        return 0
     try:
         cfg = config_from_args(args)
     except (ValueError, FileNotFoundError) as e:

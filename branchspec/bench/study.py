@@ -196,8 +196,6 @@ def batch_prompts(pool: list[list[int]], batch_size: int) -> list[list[int]]:
 
 def run_study(cfg: StudyConfig) -> StudyResult:
     """Run every cell, write results.jsonl, report.md and the plots into ``cfg.out_dir``."""
-    from branchspec.bench import analysis, plots, report   # matplotlib only when run
-
     t_start = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -266,16 +264,40 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     if bar is not None:
         bar.close()
 
-    comparisons = analysis.compare(cells)
     wall_seconds = time.perf_counter() - t_start
-    summary = analysis.summary(cells, comparisons, cfg.describe(), wall_seconds)
-    files: dict[str, Path] = {"results": results_path}
-    plot_files = plots.write_plots(out_dir, cells, comparisons) if cfg.plots else {}
+    comparisons, summary, files = write_outputs(out_dir, cells, cfg.describe(), wall_seconds, cfg.plots)
+    return StudyResult(config=cfg, cells=cells, comparisons=comparisons, summary=summary,
+                       out_dir=out_dir, files=files, wall_seconds=wall_seconds)
+
+
+def write_outputs(out_dir: Path, cells: list[CellResult], config: dict, wall_seconds: float,
+                  with_plots: bool = True) -> tuple[list, dict, dict[str, Path]]:
+    """Comparisons, summary, report.md and plots from measured cells."""
+    from branchspec.bench import analysis, plots, report
+
+    comparisons = analysis.compare(cells)
+    summary = analysis.summary(cells, comparisons, config, wall_seconds)
+    files: dict[str, Path] = {"results": out_dir / "results.jsonl"}
+    plot_files = plots.write_plots(out_dir, cells, comparisons) if with_plots else {}
     files.update(plot_files)
     files["report"] = report.write_report(out_dir / "report.md", cells, comparisons, summary, plot_files)
     summary["files"] = {k: str(v) for k, v in files.items()}
-    return StudyResult(config=cfg, cells=cells, comparisons=comparisons, summary=summary,
-                       out_dir=out_dir, files=files, wall_seconds=wall_seconds)
+    return comparisons, summary, files
+
+
+def report_from_results(out_dir: str | Path) -> tuple[list[CellResult], list, dict]:
+    """Rebuild report.md and the plots from results.jsonl, e.g. of an interrupted sweep
+    (every finished cell is flushed to it as it completes)."""
+    out_dir = Path(out_dir)
+    path = out_dir / "results.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no results.jsonl in {out_dir}")
+    cells = [CellResult.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    if not cells:
+        raise ValueError(f"{path} has no cells")
+    wall = sum(c.wall_seconds for c in cells)
+    comparisons, summary, _ = write_outputs(out_dir, cells, {"rebuilt_from": str(path)}, wall)
+    return cells, comparisons, summary
 
 
 def _cell_name(spec: SpecConfig | None) -> str:
