@@ -98,7 +98,7 @@ class PagedState:
         """Admit a sequence: allocate its ring pages (atomic)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} is already in the cache")
-        need = {n: s.ring // self.page_size for n, s in self.specs.items() if s.ring is not None}
+        need = {n: k for n, k in self.pages_needed(0).items() if self.specs[n].ring is not None}
         self._check_free(need)
         self.tables[seq_id] = {n: self.pools[n].allocate(need[n]) if n in need else []
                                for n in self.specs}
@@ -108,12 +108,7 @@ class PagedState:
         if length > self.max_len:
             raise ValueError(f"sequence length {length} exceeds max_model_len {self.max_len}")
         table = self.tables[seq_id]
-        need = {}
-        for n, s in self.specs.items():
-            if s.ring is None:
-                pages = -(-(length // s.ratio) // self.page_size)
-                if pages > len(table[n]):
-                    need[n] = pages - len(table[n])
+        need = {n: k - len(table[n]) for n, k in self.pages_needed(length).items() if k > len(table[n])}
         self._check_free(need)
         for n, k in need.items():
             table[n].extend(self.pools[n].allocate(k))
