@@ -169,3 +169,52 @@ def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts,
         want = {**ref.snapshot(0, L), "mtp/0": ref_mtp.snapshot(0, 0, mtp_length=L)["mtp/0"]}
         assert_same_state(got, want)
         torch.testing.assert_close(seq.last_hidden, out.hidden[0, -1], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(3, 2, 6), SpecConfig(2, 4, 7), SpecConfig.chain(5)],
+                         ids=["3x2", "2x4", "chain5"])
+def test_drafted_tree_matches_a_sequential_drafter(trained_ckpt, prompts, spec):
+    """Every drafted node's score is the sum of the drafter's log-probabilities along its
+    path, computed by running the MTP block one slot at a time (chained on its own hidden
+    state, its KV committed as it goes), and siblings are that distribution's top-k."""
+    import copy
+
+    from branchspec.engine.request import Sequence
+    from branchspec.engine.runner import ModelRunner
+    from branchspec.model.metadata import chain_meta
+    from branchspec.model.weights import load_checkpoint
+    from branchspec.spec.drafter import MTPDrafter
+    from helpers import new_cache
+
+    model = load_checkpoint(trained_ckpt, "float64")
+    cache = new_cache(model, max_seqs=1)
+    seq = Sequence(seq_id=0, prompt_ids=prompts[1], params=SamplingParams())
+    cache.add(0)
+    cache.reserve(0, len(seq.prompt_ids))
+    logits = ModelRunner(model, cache, None, prefill_chunk_size=64).prefill([seq], with_mtp=True)[0]
+    root = int(logits.argmax())
+    L = torch.tensor([seq.num_committed])
+    with torch.no_grad():
+        tree = MTPDrafter(model).draft(torch.tensor([root]), seq.last_hidden[None], L,
+                                       cache.gather_mtp([0], L), spec)
+    parents, tokens, scores = tree.parents[0].tolist(), tree.tokens[0].tolist(), tree.scores[0]
+    assert tokens[0] == root and parents[0] == -1
+    for node in range(1, len(parents)):
+        path = [node]
+        while parents[path[-1]] > 0:
+            path.append(parents[path[-1]])
+        path = [0] + path[::-1]
+        ref = copy.deepcopy(cache)
+        hidden, total = seq.last_hidden, 0.0
+        with torch.no_grad():
+            for depth, (a, b) in enumerate(zip(path, path[1:])):
+                pos = torch.tensor([seq.num_committed + depth])
+                meta = chain_meta(pos, 1, ())
+                out = model.mtp_forward(torch.tensor([[tokens[a]]]), hidden[None, None], meta,
+                                        ref.gather_mtp([0], pos))
+                ref.commit_mtp([0], meta, out.scratch[0], meta.valid)
+                logp = torch.log_softmax(out.logits[0, 0].float(), -1)
+                assert tokens[b] in logp.topk(spec.topk).indices.tolist()
+                total += float(logp[tokens[b]])
+                hidden = out.hidden[0, 0]
+        assert abs(float(scores[node]) - total) < 1e-4, (node, path)
