@@ -20,7 +20,7 @@ from branchspec.data.workloads import (
     workload_splits,
 )
 
-# tests/ -> /work/main -> /work; the shared copy lives outside the repository on purpose.
+# tests/ -> repository -> its parent, where ../shared/data lives outside the repository on purpose.
 MBPP_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp.jsonl"
 needs_mbpp = pytest.mark.skipif(not MBPP_FILE.is_file(), reason=f"MBPP copy not found at {MBPP_FILE}")
 
