@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from branchspec.config import ModelConfig
 from branchspec.model.layers import RMSNorm, rope, unit_rms
