@@ -1,3 +1,5 @@
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +7,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# No test reaches the network. huggingface_hub reads this once, when it is first imported
+# (lazily, by the MBPP loader), and subprocesses inherit it; tests of the download path
+# replace the downloader instead.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 from branchspec.config import tiny_config  # noqa: E402
 from branchspec.model.weights import random_model, save_checkpoint  # noqa: E402
@@ -16,6 +23,25 @@ def tiny64():
     """A random float64 tiny model with weights large enough for peaked, tie-free scores."""
     torch.set_grad_enabled(True)
     return random_model(tiny_config(), seed=3, dtype="float64", std=0.3)
+
+
+def mbpp_rows(task_ids=range(1, 975)) -> list[dict]:
+    """MBPP-shaped rows (the fields of mbpp.jsonl and of the hub's parquet files), one small
+    distinct task per id, so no test needs the real data set."""
+    return [
+        {"task_id": t, "text": f"Write a function that multiplies a number by {t}.",
+         "code": f"def times_{t}(x):\r\n    return x * {t}",
+         "test_list": [f"assert times_{t}(2) == {2 * t}", f"assert times_{t}(0) == 0"],
+         "test_setup_code": "", "challenge_test_list": []}
+        for t in task_ids
+    ]
+
+
+def write_mbpp(path: Path, task_ids=range(1, 975)) -> Path:
+    """An MBPP-shaped mbpp.jsonl at ``path`` (the standard 974 tasks by default)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in mbpp_rows(task_ids)))
+    return path
 
 
 def markov_batches(vocab: int, num: int, batch: int = 8, length: int = 160, seed: int = 0):

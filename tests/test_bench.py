@@ -2,6 +2,10 @@
 every field and column, and bad arguments fail clearly before any work. No speed checks."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from branchspec.bench.report import (
 )
 from branchspec.bench.study import StudyConfig, run_study
 from branchspec.config import tiny_config
+from branchspec.data import workloads as wl
 from branchspec.engine.runner import ROUND_PHASES
 from branchspec.model.weights import random_model, save_checkpoint
 
@@ -92,14 +97,37 @@ def test_plots_are_png_files(study):
         assert path.is_file() and path.read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_cli_prints_tables_then_one_json_line(study, tiny_ckpt, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_study", lambda cfg: study)
+@pytest.fixture
+def no_mbpp(monkeypatch, tmp_path):
+    """No MBPP source at all: no env var, no ../shared beside the working directory, and a
+    Hugging Face cache without it (offline, so the hub is not asked)."""
+    monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+
+    def not_cached(*, local_files_only):
+        raise FileNotFoundError("MBPP is not in the Hugging Face cache")
+
+    monkeypatch.setattr(wl, "_download_mbpp", not_cached)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    wl._mbpp_from_hub.cache_clear()
+    yield
+    wl._mbpp_from_hub.cache_clear()
+
+
+def test_cli_prints_tables_then_one_json_line(study, tiny_ckpt, monkeypatch, capsys, no_mbpp):
+    configs = []
+    monkeypatch.setattr(cli, "run_study", lambda cfg: configs.append(cfg) or study)
     args = cli.build_parser().parse_args(["--quick", "--no-progress", "--model", str(tiny_ckpt)])
     assert cli.main(args) == 0
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
     summary = json.loads(out[-1])
     assert summary["num_cells"] == 12 and "5" in summary["mean_throughput_gain_by_D"]
     assert any("throughput gain" in line for line in out[:-1])
+    # The preset's workloads run without MBPP, and one line on stderr says so.
+    assert configs[0].workloads == ("gsm8k", "sharegpt")
+    assert captured.err.splitlines() == list(configs[0].notes) and configs[0].notes[0].startswith("MBPP skipped")
 
 
 def test_quick_preset_and_explicit_flags(tiny_ckpt):
@@ -128,6 +156,44 @@ def test_invalid_values_fail_before_any_work(argv, message, tmp_path, capsys):
     assert cli.main(args) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, messages", [
+    (["--workloads", "gsm8k,mbpp"], ["workload 'mbpp': no MBPP source", "--mbpp-path", wl.MBPP_ENV_VAR,
+                                     "going online"]),
+    (["--mbpp-path", "nope.jsonl"], ["MBPP file not found: nope.jsonl"]),
+])
+def test_mbpp_asked_for_but_missing_fails_before_any_work(argv, messages, tiny_ckpt, tmp_path, capsys, no_mbpp):
+    """MBPP named with --workloads, or a --mbpp-path, is not skipped when missing: exit 2."""
+    out = tmp_path / "never"
+    args = cli.build_parser().parse_args([*argv, "--model", str(tiny_ckpt), "--out", str(out)])
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert all(m in err for m in messages), err
+    assert not out.exists()
+
+
+def test_readme_quick_command_runs_without_mbpp(tmp_path):
+    """The README's main command, `branchspec bench --quick` (shrunk), on a machine without
+    MBPP: no ../shared, no $BRANCHSPEC_MBPP, offline. It runs the other workloads, says so
+    in one line on stderr and the same line in report.md, and exits 0."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != wl.MBPP_ENV_VAR}
+    repo = str(Path(__file__).resolve().parents[1])
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"),   # an empty Hugging Face cache
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")])))
+    argv = ["--quick", "--num-prompts", "1", "--max-tokens", "4", "--batch-sizes", "1", "--no-plots",
+            "--no-progress", "--threads", "1", "--out", "out"]
+    proc = subprocess.run([sys.executable, "-m", "branchspec", "bench", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("MBPP skipped") and "HF_HUB_OFFLINE" in line
+    assert all(way in line for way in ("--mbpp-path", wl.MBPP_ENV_VAR, "go online"))
+    assert line in (cwd / "out" / "report.md").read_text().splitlines()
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["config"]["workloads"] == ["gsm8k", "sharegpt"] and summary["num_cells"] == 2 * 4
 
 
 @pytest.mark.parametrize("argv, message", [

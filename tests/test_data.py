@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import sys
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from branchspec.data import workloads as wl
@@ -14,35 +19,36 @@ from branchspec.data.workloads import (
     WORKLOADS,
     Example,
     JsonArrayReader,
+    MbppUnavailable,
     load_workload,
     parse_sharegpt,
     training_text,
     workload_splits,
 )
+from conftest import mbpp_rows, write_mbpp
 
-# tests/ -> repository -> its parent, where ../shared/data lives outside the repository on purpose.
-MBPP_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp.jsonl"
-needs_mbpp = pytest.mark.skipif(not MBPP_FILE.is_file(), reason=f"MBPP copy not found at {MBPP_FILE}")
+# The real MBPP, only for the checks of its published content: $BRANCHSPEC_MBPP, else
+# ../shared/data/mbpp.jsonl beside the checkout (tests/ -> repository -> its parent). Every
+# other MBPP test writes an MBPP-shaped file of its own.
+REAL_MBPP = Path(os.environ.get(wl.MBPP_ENV_VAR)
+                 or Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp.jsonl")
+needs_real_mbpp = pytest.mark.skipif(not REAL_MBPP.is_file(), reason=f"the real MBPP file is not at {REAL_MBPP} "
+                                     f"(set ${wl.MBPP_ENV_VAR} to run this)")
 
 
-def _load(name: str, split: str) -> list[Example]:
-    return load_workload(name, split, mbpp_path=MBPP_FILE if name == "mbpp" else None)
-
-
-def _cases() -> list:
-    return [
-        pytest.param(name, marks=needs_mbpp) if name == "mbpp" else name for name in WORKLOADS
-    ]
+@pytest.fixture(scope="module")
+def mbpp_file(tmp_path_factory) -> Path:
+    return write_mbpp(tmp_path_factory.mktemp("mbpp") / "mbpp.jsonl")
 
 
 # --- every workload --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", _cases())
-def test_splits_are_nonempty_well_formed_and_disjoint(name: str) -> None:
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_splits_are_nonempty_well_formed_and_disjoint(name: str, mbpp_file: Path) -> None:
     uids_by_split = {}
     for split in workload_splits(name):
-        examples = _load(name, split)
+        examples = load_workload(name, split, mbpp_path=mbpp_file if name == "mbpp" else None)
         assert examples, f"{name}/{split} is empty"
         for ex in examples:
             assert isinstance(ex, Example) and ex.workload == name
@@ -102,67 +108,179 @@ def test_gsm8k_split_and_format() -> None:
 
 # --- MBPP ------------------------------------------------------------------------------
 
+MBPP_RANGES = {"fewshot": (1, 10), "eval": (11, 510), "validation": (511, 600), "train": (601, 974)}
 
-@needs_mbpp
-def test_mbpp_standard_split_by_task_id() -> None:
-    ranges = {"fewshot": (1, 10), "eval": (11, 510), "validation": (511, 600), "train": (601, 974)}
-    for split, (lo, hi) in ranges.items():
-        ids = [int(ex.uid.removeprefix("mbpp-")) for ex in _load("mbpp", split)]
+
+def test_mbpp_standard_split_by_task_id(mbpp_file: Path) -> None:
+    for split, (lo, hi) in MBPP_RANGES.items():
+        ids = [int(ex.uid.removeprefix("mbpp-")) for ex in load_workload("mbpp", split, mbpp_path=mbpp_file)]
         assert ids == list(range(lo, hi + 1)), split
-    ex = _load("mbpp", "eval")[0]
+    ex = load_workload("mbpp", "eval", mbpp_path=mbpp_file)[0]
+    assert ex.uid == "mbpp-11"
+    assert ex.prompt == ('"""\nWrite a function that multiplies a number by 11.\n\n'
+                         'assert times_11(2) == 22\nassert times_11(0) == 0\n"""\n')
+    assert ex.completion == "def times_11(x):\n    return x * 11\n"   # CRLF normalised
+
+
+@needs_real_mbpp
+def test_real_mbpp_has_the_published_tasks() -> None:
+    for split, (lo, hi) in MBPP_RANGES.items():
+        ids = [int(ex.uid.removeprefix("mbpp-")) for ex in load_workload("mbpp", split, mbpp_path=REAL_MBPP)]
+        assert ids == list(range(lo, hi + 1)), split
+    ex = load_workload("mbpp", "eval", mbpp_path=REAL_MBPP)[0]
     assert ex.uid == "mbpp-11"
     assert ex.prompt.startswith('"""\n') and "assert remove_Occ(" in ex.prompt
     assert ex.completion.startswith("def remove_Occ") and "\r" not in ex.completion
 
 
-@needs_mbpp
-def test_mbpp_path_from_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(wl.MBPP_ENV_VAR, str(MBPP_FILE))
+def test_mbpp_path_from_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mbpp_file: Path) -> None:
+    monkeypatch.setenv(wl.MBPP_ENV_VAR, str(mbpp_file))
     monkeypatch.chdir(tmp_path)  # no ../shared here: the env var must be what is used
     assert len(load_workload("mbpp", "eval")) == 500
 
 
 def test_mbpp_default_path_is_shared_next_to_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    rows = [
-        {"task_id": t, "text": f"Task {t}.", "code": "def f():\r\n    return 1",
-         "test_list": ["assert f() == 1"], "test_setup_code": "", "challenge_test_list": []}
-        for t in (700, 5, 20)
-    ]
-    (tmp_path / "shared" / "data").mkdir(parents=True)
-    (tmp_path / "shared" / "data" / "mbpp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_mbpp(tmp_path / "shared" / "data" / "mbpp.jsonl", task_ids=(700, 5, 20))
     (tmp_path / "repo").mkdir()
     monkeypatch.chdir(tmp_path / "repo")
     monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
     assert [e.uid for e in load_workload("mbpp", "train")] == ["mbpp-700"]
     assert [e.uid for e in load_workload("mbpp", "fewshot")] == ["mbpp-5"]
     (example,) = load_workload("mbpp", "eval")
-    assert example.prompt == '"""\nTask 20.\n\nassert f() == 1\n"""\n'
-    assert example.completion == "def f():\n    return 1\n"
+    assert example.prompt.startswith('"""\nWrite a function that multiplies a number by 20.\n')
+    assert example.completion == "def times_20(x):\n    return x * 20\n"
 
 
-def test_mbpp_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="mbpp_path"):
+# Every way of providing MBPP, as the error for "no source" must list them.
+MBPP_WAYS = ("mbpp_path", "--mbpp-path", wl.MBPP_ENV_VAR, "../shared/data/mbpp.jsonl", "going online",
+             wl.MBPP_HUB_NAME)
+
+
+def _assert_lists_every_way(error: Exception) -> None:
+    for way in MBPP_WAYS:
+        assert way in str(error), way
+
+
+@pytest.fixture
+def no_local_mbpp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """No local MBPP (no env var, no ../shared beside the working directory), and the hub
+    loader's cache emptied before and after, so no hub result leaks between tests."""
+    monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    wl._mbpp_from_hub.cache_clear()
+    yield
+    wl._mbpp_from_hub.cache_clear()
+
+
+def test_mbpp_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_local_mbpp) -> None:
+    with pytest.raises(FileNotFoundError, match="mbpp_path") as named:
         load_workload("mbpp", "eval", mbpp_path=tmp_path / "nope.jsonl")
+    assert not isinstance(named.value, MbppUnavailable)   # a named file that is missing is not skippable
     monkeypatch.setenv(wl.MBPP_ENV_VAR, str(tmp_path / "nope.jsonl"))
     with pytest.raises(FileNotFoundError, match=wl.MBPP_ENV_VAR):
         load_workload("mbpp", "eval")
     monkeypatch.delenv(wl.MBPP_ENV_VAR)
-    monkeypatch.chdir(tmp_path)  # ../shared/data/mbpp.jsonl does not exist from here
-    with pytest.raises(FileNotFoundError, match=f"{wl.MBPP_ENV_VAR}.*allow_hub"):
+    # The real huggingface_hub, offline, over an empty cache: no network, no wait.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    with pytest.raises(MbppUnavailable, match="HF_HUB_OFFLINE") as error:
+        training_text("mbpp")
+    _assert_lists_every_way(error.value)
+
+
+def _write_hub_parquet(folder: Path) -> list[str]:
+    """The hub's four parquet files (full/train, test, validation, prompt), by task_id range."""
+    parts = {"train": range(601, 975), "test": range(11, 511), "validation": range(511, 601), "prompt": range(1, 11)}
+    paths = []
+    for name, ids in parts.items():
+        paths.append(str(folder / f"{name}-00000-of-00001.parquet"))
+        pq.write_table(pa.Table.from_pylist(mbpp_rows(ids)), paths[-1])
+    return paths
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_local_mbpp):
+    """The hub downloader replaced: ``calls`` records each ``local_files_only``, ``cached``
+    says whether the cache holds MBPP, and ``fail`` makes the network attempt raise. Online
+    as far as the loader can tell (the fake never touches the network)."""
+    import huggingface_hub.constants
+
+    hub = SimpleNamespace(calls=[], cached=False, fail=None, paths=_write_hub_parquet(tmp_path))
+
+    def download(*, local_files_only: bool) -> list[str]:
+        hub.calls.append(local_files_only)
+        if local_files_only and not hub.cached:
+            raise FileNotFoundError("not in the cache")
+        if not local_files_only and hub.fail is not None:
+            raise hub.fail
+        return hub.paths
+
+    monkeypatch.setattr(wl, "_download_mbpp", download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return hub
+
+
+def test_mbpp_from_hub_cache_first(fake_hub) -> None:
+    fake_hub.cached = True
+    for split, (lo, hi) in MBPP_RANGES.items():
+        assert [e.uid for e in load_workload("mbpp", split)] == [f"mbpp-{t}" for t in range(lo, hi + 1)]
+    assert fake_hub.calls == [True]   # found in the cache, read once, never downloaded
+    ex = load_workload("mbpp", "eval")[0]
+    assert ex.completion == "def times_11(x):\n    return x * 11\n" and "assert times_11(2) == 22" in ex.prompt
+
+
+def test_mbpp_from_hub_downloads_when_not_cached(fake_hub) -> None:
+    assert len(load_workload("mbpp", "eval")) == 500
+    assert fake_hub.calls == [True, False]   # the cache, then the network
+
+
+def test_mbpp_hub_failures_give_the_clear_error(fake_hub, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_hub.fail = ConnectionError("[Errno -2] Name or service not known\nmore detail")
+    with pytest.raises(MbppUnavailable, match="ConnectionError: .Errno -2. Name or service not known") as error:
         load_workload("mbpp", "eval")
+    assert "more detail" not in error.value.reason   # one line, for the bench's skip line
+    _assert_lists_every_way(error.value)
+    fake_hub.calls.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MbppUnavailable, match="HF_HUB_OFFLINE"):
+        load_workload("mbpp", "eval")
+    assert fake_hub.calls == [True]   # offline: the cache only
+    fake_hub.calls.clear()   # a package missing ends the same way, before any download
+    for module in ("pyarrow.parquet", "huggingface_hub"):
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, module, None)
+            with pytest.raises(MbppUnavailable, match=f"pip install {module.split('.')[0]}") as error:
+                load_workload("mbpp", "eval")
+            _assert_lists_every_way(error.value)
+    assert fake_hub.calls == []
 
 
-def test_mbpp_hub_needs_datasets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("`datasets` is installed: allow_hub=True would go to the network")
-    monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="datasets"):
-        load_workload("mbpp", "eval", allow_hub=True)
+def test_mbpp_download_asks_the_hub_once_before_downloading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real downloader over a stubbed huggingface_hub: the cache attempt makes no extra
+    request; the network attempt first makes one request without retries (hf_hub_download's
+    own retries take about 25 s offline), with the short timeout or $HF_HUB_ETAG_TIMEOUT."""
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata",
+                        lambda url, timeout: calls.append(("probe", url, timeout)))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo_id, filename, **kw: calls.append((repo_id, filename, kw)) or f"/cache/{filename}")
+    monkeypatch.delenv("HF_HUB_ETAG_TIMEOUT", raising=False)
+    assert wl._download_mbpp(local_files_only=True) == [f"/cache/{f}" for f in wl.MBPP_HUB_FILES]
+    assert calls == [(wl.MBPP_HUB_NAME, f, {"repo_type": "dataset", "local_files_only": True,
+                                           "etag_timeout": wl.MBPP_HUB_TIMEOUT}) for f in wl.MBPP_HUB_FILES]
+    calls.clear()
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "7")
+    wl._download_mbpp(local_files_only=False)
+    (kind, url, timeout), *downloads = calls
+    assert kind == "probe" and timeout == 7.0
+    assert url.endswith("/datasets/google-research-datasets/mbpp/resolve/main/full/train-00000-of-00001.parquet")
+    assert [(f, kw["local_files_only"]) for _, f, kw in downloads] == [(f, False) for f in wl.MBPP_HUB_FILES]
 
 
 # --- HumanEval -------------------------------------------------------------------------

