@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +27,36 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+_JSON_TYPE_NAMES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+                    type(None): "null"}
+
+
+def _config_int(name: str, value) -> int:
+    """A ModelConfig integer as a plain int; ConfigError naming the field otherwise.
+
+    Bools and floats are refused, 256.0 included: sizes written by `save` are always ints,
+    so a float means a hand edit, and truncating 256.5 would build a different model.
+    numpy integers are accepted (and stored as int, so the config stays JSON-serialisable).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = f"; write {int(value)}" if isinstance(value, float) and value.is_integer() else ""
+        raise ConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}{hint}")
+    return int(value)
+
+
+def _config_float(name: str, value) -> float:
+    """A finite ModelConfig real number as a float (ints accepted, bools and NaN/inf refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ConfigError(f"{name} must be a finite number, got an integer too large for a float") from None
+    if not math.isfinite(value):  # json.loads accepts NaN and Infinity
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A DeepSeek-V4-style model, scaled down.
@@ -31,7 +64,18 @@ class ModelConfig:
     Every layer has a sliding window over raw keys; layers with compress ratio 4 add the
     overlapping C4 compressor and a lightning indexer, layers with ratio 128 the C128
     compressor. `compress_ratios[l] == 0` means window only.
+
+    Every bad value, a wrong type included (`ModelConfig(d_model="256")`, `d_model=256.0`,
+    `num_layers=True`, NaN `rope_theta`), raises ConfigError (a ValueError) naming the
+    field, never TypeError: a config is data, usually read from `config.json`, and one
+    exception type covers it wherever it came from.
     """
+
+    _INT_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "rope_dim",
+                   "q_lora_rank", "window", "index_num_heads", "index_head_dim", "index_topk",
+                   "ffn_hidden", "max_position", "num_mtp_layers", "bos_token_id", "eos_token_id",
+                   "pad_token_id")
+    _FLOAT_FIELDS = ("rope_theta", "norm_eps")
 
     vocab_size: int = 8192
     d_model: int = 256
@@ -57,8 +101,21 @@ class ModelConfig:
     allow_any_ratio: bool = False
 
     def __post_init__(self) -> None:
+        # Types first, so the range checks below compare numbers, and a JSON 256.5 or "256"
+        # is refused rather than truncated or compared as a string.
+        for name in self._INT_FIELDS:
+            object.__setattr__(self, name, _config_int(name, getattr(self, name)))
+        for name in self._FLOAT_FIELDS:
+            object.__setattr__(self, name, _config_float(name, getattr(self, name)))
+        _require(isinstance(self.allow_any_ratio, bool),
+                 f"allow_any_ratio must be true or false, got {self.allow_any_ratio!r}")
+        ratios = self.compress_ratios
+        _require(isinstance(ratios, (list, tuple)),
+                 f"compress_ratios must be a list of integers (one per layer), got "
+                 f"{type(ratios).__name__} {ratios!r}")
         # JSON gives lists; keep the dataclass hashable and immutable.
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        object.__setattr__(self, "compress_ratios",
+                           tuple(_config_int(f"compress_ratios[{i}]", r) for i, r in enumerate(ratios)))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim",
                      "q_lora_rank", "window", "ffn_hidden", "max_position"):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
@@ -105,10 +162,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        _require(isinstance(d, dict),
+                 f"a model config must be a JSON object (a dict), got {type(d).__name__}")
         d = dict(d)
-        d.pop("architecture", None)
+        architecture = d.pop("architecture", "branchspec-v4")
+        _require(architecture == "branchspec-v4",
+                 f"architecture is {architecture!r}; only 'branchspec-v4' checkpoints can be loaded")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(map(str, set(d) - known))
         _require(not unknown, f"unknown model config keys: {unknown}")
         try:
             return cls(**d)
@@ -121,14 +182,21 @@ class ModelConfig:
 
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
+        """Read `folder/config.json`; every ConfigError names that file."""
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {folder}")
         try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            d = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d)
+        _require(isinstance(d, dict),
+                 f"{path} must hold a JSON object ({{\"vocab_size\": ..., ...}}), got a JSON "
+                 f"{_JSON_TYPE_NAMES.get(type(d), type(d).__name__)}")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -155,6 +223,32 @@ def v4_mini_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def check_int(owner: str, name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer argument (bools and floats refused, numpy integers accepted) within bounds.
+
+    TypeError for the wrong type, ValueError for a value out of range; both name
+    ``owner.name``. Returns the value as a plain int.
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{owner}.{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}.{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_float(owner: str, name: str, value) -> float:
+    """A finite real number (ints accepted, bools refused); TypeError or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be finite, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding knobs, named as in SGLang.
@@ -168,40 +262,58 @@ class SpecConfig:
     num_draft_tokens: int = 6
 
     def __post_init__(self) -> None:
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            object.__setattr__(self, name, check_int("SpecConfig", name, getattr(self, name), minimum=1))
         s, k, d = self.num_steps, self.topk, self.num_draft_tokens
-        for name, v in (("num_steps", s), ("topk", k), ("num_draft_tokens", d)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SpecConfig.{name} must be a positive integer, got {v!r}")
         if d < 2:
-            raise ValueError(f"num_draft_tokens={d} leaves no draft token (the root counts as one); use >= 2")
+            raise ValueError(f"SpecConfig.num_draft_tokens={d} leaves no draft token (the root counts as "
+                             "one); use >= 2")
         # EAGLE-2 growth yields topk candidates at step 1 and topk^2 at every later step;
         # the best D-1 of them are kept, so there must be at least that many.
         max_candidates = k + (s - 1) * k * k
         if max_candidates < d - 1:
             need = 1 + -(-(d - 1 - k) // (k * k)) if d - 1 > k else 1
             raise ValueError(
-                f"num_steps={s}, topk={k} draft at most {max_candidates} candidates, fewer than "
-                f"num_draft_tokens-1={d - 1}; use num_steps >= {need} or a larger topk")
+                f"SpecConfig: num_steps={s}, topk={k} draft at most {max_candidates} candidates, fewer "
+                f"than num_draft_tokens-1={d - 1}; use num_steps >= {need} or a larger topk")
         # Kept nodes are at most D-1 deep, so deeper steps would be drafted and thrown away.
         if s > d - 1:
-            raise ValueError(f"num_steps={s} exceeds num_draft_tokens-1={d - 1}, the deepest a kept "
-                             f"node can be; use num_steps <= {d - 1}")
+            raise ValueError(f"SpecConfig.num_steps={s} exceeds num_draft_tokens-1={d - 1}, the deepest "
+                             f"a kept node can be; use num_steps <= {d - 1}")
 
     @property
     def is_chain(self) -> bool:
         return self.topk == 1
 
+    def check_model(self, vocab_size: int) -> None:
+        """What only a model can tell: each step takes topk distinct tokens of the vocabulary."""
+        if self.topk > vocab_size:
+            raise ValueError(f"SpecConfig.topk={self.topk} exceeds the model's vocabulary of {vocab_size} "
+                             f"tokens; use topk <= {vocab_size}")
+
     @classmethod
     def chain(cls, num_draft_tokens: int) -> "SpecConfig":
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 2:
+        d = check_int("SpecConfig", "num_draft_tokens", num_draft_tokens)
+        if d < 2:
             raise ValueError(f"a chain needs num_draft_tokens >= 2 (the root plus at least one draft), "
                              f"got {num_draft_tokens!r}")
-        return cls(num_steps=num_draft_tokens - 1, topk=1, num_draft_tokens=num_draft_tokens)
+        return cls(num_steps=d - 1, topk=1, num_draft_tokens=d)
+
+
+# Temperatures below this sample from a distribution indistinguishable from the argmax, and
+# dividing logits by them overflows: they decode greedily (vLLM's rule).
+GREEDY_TEMPERATURE = 1e-5
+MAX_SEED = 2**64 - 1   # the range torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling, as in vLLM. temperature 0 means greedy."""
+    """Per-request sampling, as in vLLM. temperature 0 (or below 1e-5) means greedy.
+
+    seed: None draws a fresh seed per request; an integer in [0, 2**64) makes the request
+    reproducible whatever else runs in its batch. stop: strings that end the output, which
+    is cut before the first one found (the stop string itself is not returned).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -211,41 +323,72 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        own = "SamplingParams"
+        temperature = check_float(own, "temperature", self.temperature)
+        if temperature < 0.0:
+            raise ValueError(f"{own}.temperature must be >= 0 (0 = greedy), got {temperature}")
+        top_p = check_float(own, "top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"{own}.top_p must be in (0, 1], got {top_p}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "max_tokens", check_int(own, "max_tokens", self.max_tokens, minimum=1))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_int(own, "seed", self.seed, minimum=0, maximum=MAX_SEED))
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
         else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise TypeError(f"{own}.stop must be a string or a list of strings, got {type(stop).__name__}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str):
+                raise TypeError(f"{own}.stop[{i}] must be a string, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError(f"{own}.stop[{i}] is empty: stop strings must be non-empty")
+        object.__setattr__(self, "stop", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"{own}.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the sampler uses: 0.0 for greedy requests."""
+        return 0.0 if self.greedy else self.temperature
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Batch and memory sizing. page_size counts slots (tokens or entries) per page."""
+    """Batch and memory sizing. page_size counts slots (tokens or entries) per page.
+
+    num_pages: pages per state kind ("raw", "buf4", "ent4", ...; the kinds a model has are
+    checked when the engine is built); kinds not named get room for max_batch_size requests
+    of max_model_len tokens.
+    """
 
     max_batch_size: int = 64
     page_size: int = 16
     max_model_len: int | None = None  # default: the model's max_position
-    num_pages: dict = field(default_factory=dict)  # per state kind; default sized for max_batch_size
+    num_pages: dict = field(default_factory=dict)
     prefill_chunk_size: int = 256
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1 (or None for the model's max_position), "
-                             f"got {self.max_model_len}")
-        if self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        own = "EngineConfig"
+        for name in ("max_batch_size", "page_size", "prefill_chunk_size"):
+            object.__setattr__(self, name, check_int(own, name, getattr(self, name), minimum=1))
+        if self.max_model_len is not None:
+            object.__setattr__(self, "max_model_len",
+                               check_int(own, "max_model_len", self.max_model_len, minimum=1))
+        if not isinstance(self.num_pages, dict):
+            raise TypeError(f"{own}.num_pages must be a dict of state kind -> page count, "
+                            f"got {type(self.num_pages).__name__}")
+        for kind, n in self.num_pages.items():
+            if not isinstance(kind, str):
+                raise TypeError(f"{own}.num_pages keys must be state kind names, got {kind!r}")
+            check_int(own, f"num_pages[{kind!r}]", n, minimum=1)

@@ -262,11 +262,12 @@ def test_every_rejected_spec_suggests_a_value_that_works():
 
 
 @pytest.mark.parametrize("field", ["num_steps", "topk", "num_draft_tokens"])
-@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "3"])
-def test_non_positive_or_non_int_knobs(field, bad):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (True, TypeError),
+                                        (2.0, TypeError), ("3", TypeError)])
+def test_non_positive_or_non_int_knobs(field, bad, error):
     kw = dict(num_steps=3, topk=2, num_draft_tokens=6)
     kw[field] = bad
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(error, match=field):
         SpecConfig(**kw)
 
 
@@ -308,9 +309,9 @@ def test_top_p_range(p):
         SamplingParams(top_p=p)
 
 
-@pytest.mark.parametrize("m", [0, -4, 1.5])
-def test_max_tokens_positive_int(m):
-    with pytest.raises(ValueError, match="max_tokens"):
+@pytest.mark.parametrize("m, error", [(0, ValueError), (-4, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_max_tokens_positive_int(m, error):
+    with pytest.raises(error, match="max_tokens"):
         SamplingParams(max_tokens=m)
 
 

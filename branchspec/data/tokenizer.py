@@ -45,6 +45,19 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
+def _read_json_object(path: Path) -> tuple[str, dict]:
+    """The text of a JSON file and the object it holds; ValueError naming the file if it
+    is not UTF-8 JSON or holds anything but an object."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        obj = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {json.dumps(obj)[:40]}")
+    return text, obj
+
+
 class Tokenizer:
     """Text <-> token ids, special token ids, and the chat template.
 
@@ -140,6 +153,29 @@ class Tokenizer:
         """
         return render_chat(messages, add_generation_prompt=add_generation_prompt, template=self.chat_template)
 
+    def encode_chat(
+        self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True, add_bos: bool = True
+    ) -> list[int]:
+        """Token ids of a chat, for untrusted messages: the template's role markers become
+        their control ids, while message content is always spelt as text, so a user who
+        types ``<|assistant|>`` cannot open a turn.
+
+        Each message is ``head + content + tail`` (the template around ``{content}``);
+        head and tail are encoded with special tokens, content without. Messages are
+        checked as ``render_chat`` checks them.
+        """
+        messages = list(messages)
+        render_chat(messages, add_generation_prompt=False, template=self.chat_template)   # validates
+        head, _, tail = self.chat_template.partition("{content}")
+        ids = [self.bos_id] if add_bos else []
+        for message in messages:
+            ids += self.encode(head.format(role=message["role"]))
+            ids += self.encode(message["content"], parse_special=False)
+            ids += self.encode(tail.format(role=message["role"]))
+        if add_generation_prompt:
+            ids += self.encode(head.format(role="assistant"))
+        return ids
+
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
         out = Path(directory)
@@ -160,13 +196,25 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> Tokenizer:
         """Load what ``save`` wrote. Without ``tokenizer_config.json`` the default chat
-        template is used; a template in another format (e.g. jinja) is a ValueError."""
+        template is used; a template in another format (e.g. jinja) is a ValueError.
+
+        No ``tokenizer.json`` is a FileNotFoundError. Either file corrupt, truncated or of
+        the wrong shape is a ValueError naming it (``tokenizers`` itself raises a bare
+        Exception, which callers cannot catch selectively).
+        """
         path = Path(directory)
-        backend = _HFTokenizer.from_file(str(path / TOKENIZER_FILE))
+        tokenizer_path = path / TOKENIZER_FILE
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
+        text, _ = _read_json_object(tokenizer_path)
+        try:
+            backend = _HFTokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - the backend's errors are plain Exception
+            raise ValueError(f"{tokenizer_path} is not a tokenizers file: {e}") from e
         template = CHAT_TEMPLATE
         config_path = path / CONFIG_FILE
         if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            _, config = _read_json_object(config_path)
             template_format = config.get("chat_template_format")
             if "chat_template" in config and template_format != CHAT_TEMPLATE_FORMAT:
                 raise ValueError(
@@ -174,7 +222,17 @@ class Tokenizer:
                     f"{CHAT_TEMPLATE_FORMAT!r} templates can be rendered"
                 )
             template = config.get("chat_template", CHAT_TEMPLATE)
-        return cls(backend, chat_template=template)
+            if not isinstance(template, str):
+                raise ValueError(f"{config_path}: chat_template must be a string, got "
+                                 f"{type(template).__name__}")
+            try:
+                check_template(template)
+            except ValueError as e:
+                raise ValueError(f"{config_path}: {e}") from e
+        try:
+            return cls(backend, chat_template=template)
+        except ValueError as e:  # a missing special token
+            raise ValueError(f"{tokenizer_path}: {e}") from e
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"

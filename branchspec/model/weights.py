@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -20,6 +21,10 @@ class CheckpointError(ValueError):
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a name or dtype; ValueError if unsupported, TypeError if neither."""
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise TypeError(f"dtype must be a str or torch.dtype (one of {sorted(DTYPES)}), "
+                        f"got {type(dtype).__name__} {dtype!r}")
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
@@ -69,7 +74,15 @@ def save_checkpoint(model: Transformer, folder: str | Path, dtype: str | torch.d
 
 
 def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") -> Transformer:
-    """Load a folder; every missing, unexpected or mis-shaped tensor is named in the error."""
+    """Load a folder; every missing, unexpected, mis-shaped, non-float or non-finite tensor
+    is named in the error (CheckpointError), and a bad config.json field in a ConfigError.
+
+    Everything is checked before a weight is copied into the model; the dtype argument
+    before anything is read.
+    """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a str or path, got {type(folder).__name__} {folder!r}")
+    target = resolve_dtype(dtype)
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
@@ -77,6 +90,8 @@ def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") ->
     weights_path = folder / "model.safetensors"
     if not weights_path.is_file():
         raise FileNotFoundError(f"no model.safetensors in {folder}")
+    if weights_path.stat().st_size == 0:
+        raise CheckpointError(f"{weights_path} is empty (0 bytes)")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as e:
@@ -96,10 +111,15 @@ def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") ->
         problems.append(f"mis-shaped tensors {bad_shape}")
     if problems:
         raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems))
+    # load_state_dict would silently cast an integer or bool tensor to the float a weight needs.
+    floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    not_float = sorted(f"{k} ({v.dtype})" for k, v in tensors.items()
+                       if k in floating and not v.is_floating_point())
+    if not_float:
+        raise CheckpointError(f"{weights_path}: tensors must be floating point, found {not_float}")
     for k, v in tensors.items():
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise CheckpointError(f"checkpoint {folder}: tensor {k} contains NaN or Inf")
-    target = resolve_dtype(dtype)
     model = model.to(target)
     model.load_state_dict({k: v.to(target) for k, v in tensors.items()})
     return model.eval()
