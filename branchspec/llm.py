@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchspec.config import EngineConfig, SamplingParams, SpecConfig
+import numpy as np
+import torch
+
+from branchspec.config import MAX_SEED, EngineConfig, SamplingParams, SpecConfig, check_int
+from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
 from branchspec.model.weights import load_checkpoint
@@ -46,11 +53,25 @@ class GenerateStats:
 
 class LLM:
     """Load a checkpoint folder (config.json + model.safetensors [+ tokenizer.json]) and
-    generate. `LLM()` loads the embedded default checkpoint."""
+    generate. `LLM()` loads the embedded default checkpoint.
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32",
+    One engine (its page pools and its seed stream) lives as long as the LLM: requests of
+    later calls reuse the pools, and unseeded sampled requests differ from call to call.
+    `seed` fixes that stream, so a whole script of calls is reproducible.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  max_batch_size: int = 64, max_model_len: int | None = None, page_size: int = 16,
-                 seed: int = 0):
+                 seed: int | None = None):
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint folder path (str or PathLike) or None, "
+                            f"got {type(model).__name__}")
+        if not isinstance(dtype, str):
+            raise TypeError(f"dtype must be a string such as 'float32', got {type(dtype).__name__}")
+        if seed is not None:
+            seed = check_int("LLM", "seed", seed, minimum=0, maximum=MAX_SEED)
+        self.engine_config = EngineConfig(max_batch_size=max_batch_size, page_size=page_size,
+                                          max_model_len=max_model_len)
         path = Path(model) if model is not None else DEFAULT_CHECKPOINT
         if model is None and not (path / "config.json").is_file():
             raise FileNotFoundError(f"the embedded default checkpoint is missing at {path}; "
@@ -61,84 +82,173 @@ class LLM:
         if (path / "tokenizer.json").is_file():
             from branchspec.data.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_dir(path)
-        self.engine_config = EngineConfig(max_batch_size=max_batch_size, page_size=page_size,
-                                          max_model_len=max_model_len)
+            # Ids past the model's vocabulary have no embedding row: refuse before any request.
+            if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
+                raise ValueError(f"{path / 'tokenizer.json'} has {self.tokenizer.vocab_size} tokens but "
+                                 f"config.json's vocab_size is {self.model.cfg.vocab_size}; the model "
+                                 "cannot embed the extra ids")
         self.seed = seed
+        self.engine = self._build_engine()
         self.last_stats = GenerateStats()
 
     @property
     def config(self):
         return self.model.cfg
 
-    def _engine(self) -> Engine:
+    def _build_engine(self) -> Engine:
         if self.tokenizer is None:
             return Engine(self.model, self.engine_config, seed=self.seed)
         return Engine(self.model, self.engine_config, decode=self.tokenizer.decode, seed=self.seed,
                       stop_token_ids=tuple(self.tokenizer.stop_ids))
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    # -- input ------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:
+        """Token ids of one prompt: text is encoded (BOS first), ids are checked for type.
+
+        TypeError for anything but a str or a sequence of integers (numpy integers are
+        fine, bools and floats are not); ValueError for empty or unencodable text.
+        """
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{name} is empty: give at least one character or token id")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{name} cannot be encoded as UTF-8 ({e.reason} at character {e.start}, "
+                                 f"{prompt[e.start:e.end]!r}); lone surrogates are not text") from None
             if self.tokenizer is None:
                 raise ValueError(f"checkpoint {self.path} has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt, add_bos=True)
-        return list(prompt)
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            hint = {bytes: "; decode bytes to str first", torch.Tensor: "; pass tensor.tolist()"}.get(
+                type(prompt), "")
+            raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}{hint}")
+        ids = []
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"{name}[{j}] must be an integer token id, got {type(t).__name__} {t!r}")
+            ids.append(int(t))
+        return ids
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def _prompt_list(self, prompts) -> list:
+        """One prompt (text or ids) or a list of them -> a list of prompts."""
+        if isinstance(prompts, (str, np.ndarray)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+                return [prompts]   # a single token-id prompt
+            return list(prompts)
+        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those, "
+                        f"got {type(prompts).__name__}")
+
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * n
+        for i, p in enumerate(params_list):
+            if not isinstance(p, SamplingParams):
+                where = f"sampling_params[{i}]" if isinstance(params, (list, tuple)) else "sampling_params"
+                raise TypeError(f"{where} must be a SamplingParams, got {type(p).__name__}")
+        if len(params_list) != n:
+            raise ValueError(f"{len(params_list)} sampling params for {n} prompts")
+        return params_list
+
+    # -- generation -------------------------------------------------------------------
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecConfig | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; spec=None decodes plainly. Outputs keep prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        if spec is not None and not isinstance(spec, SpecConfig):
-            raise TypeError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
-        engine = self._engine()
-        encoded = [self.encode(p) for p in prompts]
-        for ids, p in zip(encoded, params_list):   # check every request before running any
-            engine.validate(ids, p)
-        seqs = [engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
+        """Generate for every prompt; spec=None decodes plainly. Outputs keep prompt order.
 
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(seqs), desc="generate", unit="req")
-        t_start = time.perf_counter()
-        engine.run(spec, progress=bar.update if bar is not None else None)
-        elapsed = time.perf_counter() - t_start
-        if bar is not None:
-            bar.close()
-        self.last_stats = self._stats(engine, seqs, elapsed)
-        return [self._output(s) for s in seqs]
+        Every prompt, parameter and the spec are checked before any request runs; a bad
+        one raises TypeError or ValueError naming it, and nothing is queued.
+        """
+        prompts = self._prompt_list(prompts)
+        encoded = [self.encode(p, name=f"prompts[{i}]") for i, p in enumerate(prompts)]
+        return self._run(encoded, self._params_list(sampling_params, len(prompts)), spec, use_tqdm)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              spec: SpecConfig | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render each conversation ([{"role", "content"}, ...]) with the checkpoint's chat
-        template, ending in the assistant's turn, and generate."""
+        template, ending in the assistant's turn, and generate. Role markers typed inside
+        content stay text."""
         if self.tokenizer is None:
             raise ValueError(f"checkpoint {self.path} has no tokenizer.json and so no chat template")
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, spec, use_tqdm)
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
+        single = isinstance(conversations[0], Mapping)
+        batch = [conversations] if single else conversations
+        encoded = []
+        for c, conversation in enumerate(batch):
+            name = "messages" if single else f"conversations[{c}]"
+            _check_messages(conversation, name)
+            encoded.append(self.tokenizer.encode_chat(conversation, add_generation_prompt=True))
+        return self._run(encoded, self._params_list(sampling_params, len(batch)), spec, use_tqdm)
+
+    def _run(self, encoded: list[list[int]], params_list: list[SamplingParams], spec: SpecConfig | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        engine.check_spec(spec)
+        for i, (ids, p) in enumerate(zip(encoded, params_list)):   # check all before running any
+            engine.validate(ids, p, name=f"prompts[{i}]")
+        if not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
+        engine.runner.timer.reset()
+        steps_before = engine.num_steps
+        seqs = [engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        t_start = time.perf_counter()
+        try:
+            engine.run(spec, progress=bar.update if bar is not None else None)
+        finally:
+            # An exception (or Ctrl-C) mid-run must not leave requests holding pages.
+            for s in seqs:
+                engine.abort(s)
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - t_start
+        self.last_stats = self._stats(engine, seqs, elapsed, engine.num_steps - steps_before)
+        return [self._output(s) for s in seqs]
 
     @staticmethod
     def _output(s: Sequence) -> RequestOutput:
         return RequestOutput(request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids),
-                             text=s.output_text, finish_reason=s.finish_reason.value,
+                             text=s.output_text or "", finish_reason=s.finish_reason.value,
                              accept_length=s.stats.accept_length, num_rounds=s.stats.num_rounds,
                              accepted_per_depth=list(s.stats.accepted_per_depth))
 
     @staticmethod
-    def _stats(engine: Engine, seqs: list[Sequence], elapsed: float) -> GenerateStats:
+    def _stats(engine: Engine, seqs: list[Sequence], elapsed: float, num_steps: int) -> GenerateStats:
         phases = dict(engine.runner.timer.seconds)
         prefill = phases.pop("prefill", 0.0)
         rounds = sum(s.stats.num_rounds for s in seqs)
         emitted = sum(s.stats.num_emitted for s in seqs)
         return GenerateStats(num_requests=len(seqs), num_generated=sum(len(s.output_ids) for s in seqs),
                              prefill_seconds=prefill, decode_seconds=max(elapsed - prefill, 0.0),
-                             phase_seconds=phases, num_rounds=rounds, num_steps=engine.num_steps,
+                             phase_seconds=phases, num_rounds=rounds, num_steps=num_steps,
                              accept_length=emitted / rounds if rounds else 0.0)
+
+
+def _check_messages(messages, name: str) -> None:
+    """A conversation is a non-empty list of {"role": str, "content": str} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"{name} must be a non-empty list of {{'role', 'content'}} dicts, "
+                        f"got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{name}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if set(m) != {"role", "content"}:
+            raise ValueError(f"{name}[{i}] must have exactly the keys 'role' and 'content', got {sorted(map(str, m))}")
+        if not isinstance(m["content"], str):
+            raise TypeError(f"{name}[{i}]['content'] must be a str, got {type(m['content']).__name__}")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{name}[{i}]['content'] cannot be encoded as UTF-8 ({e.reason} at "
+                             f"character {e.start})") from None
+        if m["role"] not in ROLES:
+            raise ValueError(f"{name}[{i}]['role'] must be one of {ROLES}, got {m['role']!r}")

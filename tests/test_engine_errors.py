@@ -44,26 +44,29 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def capture_engines(llm: LLM) -> list[tuple[Engine, dict, list]]:
-    """Record every engine generate() builds: (engine, free pages at construction, prefill calls)."""
-    seen = []
-    make = llm._engine
+class Watch:
+    """The one engine an LLM keeps: its free pages when watching began, and the requests
+    its prefill has run since the last `reset`."""
 
-    def wrapped():
-        engine = make()
-        calls = []
-        prefill = engine.runner.prefill
+    def __init__(self, llm: LLM):
+        self.engine = llm.engine
+        self.initial = self.engine.cache.num_free_pages()
+        self.prefills: list[int] = []
+        prefill = self.engine.runner.prefill
 
         def counting_prefill(seqs, *a, **k):
-            calls.extend(s.seq_id for s in seqs)
+            self.prefills.extend(s.seq_id for s in seqs)
             return prefill(seqs, *a, **k)
 
-        engine.runner.prefill = counting_prefill
-        seen.append((engine, engine.cache.num_free_pages(), calls))
-        return engine
+        self.engine.runner.prefill = counting_prefill
 
-    llm._engine = wrapped
-    return seen
+    def reset(self) -> None:
+        self.prefills.clear()
+
+    def idle(self) -> bool:
+        """Nothing queued or running, every page back in its pool."""
+        e = self.engine
+        return not e.scheduler.has_work() and e.cache.tables == {} and e.cache.num_free_pages() == self.initial
 
 
 # -- refused requests ------------------------------------------------------------------------
@@ -88,7 +91,7 @@ def test_token_outside_vocab(ckpt, bad):
 
 def test_non_int_token_rejected(ckpt):
     llm = make_llm(ckpt)
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(TypeError, match=r"prompts\[0\]\[1\]"):
         llm.generate([[3, 4.0, 5]], greedy(2))
 
 
@@ -133,34 +136,29 @@ def test_params_count_must_match_prompts(ckpt):
 @pytest.mark.parametrize("position", [0, 1, 2])
 def test_failing_request_in_batch_runs_nothing(ckpt, position):
     llm = make_llm(ckpt)
-    seen = capture_engines(llm)
+    watch = Watch(llm)
     prompts = [[3, 4, 5], [6, 7, 8, 9], [10, 11]]
     prompts[position] = [3, 77, 5]
     with pytest.raises(ValueError, match="77"):
         llm.generate(prompts, greedy(4), spec=TREE)
-    engine, initial, prefills = seen[-1]
-    assert prefills == []                                   # no request ran
-    assert not engine.scheduler.has_work()                  # none was even queued
-    assert engine.cache.tables == {}
-    assert engine.cache.num_free_pages() == initial         # pages untouched
+    assert watch.prefills == []                              # no request ran
+    assert watch.idle()                                      # none was queued, pages untouched
 
     # a bad sampling param for one request of the batch: same
     good = [[3, 4, 5], [6, 7, 8, 9], [10, 11]]
     params = [greedy(4), greedy(4), greedy(4)]
     params[position] = greedy(2000)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=f"prompts\\[{position}\\].*max_model_len"):
         llm.generate(good, params)
-    engine, initial, prefills = seen[-1]
-    assert prefills == [] and engine.cache.num_free_pages() == initial
+    assert watch.prefills == [] and watch.idle()
 
     # and the LLM still generates, equal to a fresh LLM
     out = llm.generate(good, greedy(6), spec=TREE)
     fresh = make_llm(ckpt).generate(good, greedy(6), spec=TREE)
     assert [o.token_ids for o in out] == [o.token_ids for o in fresh]
     assert all(len(o.token_ids) == 6 for o in out)
-    engine, initial, prefills = seen[-1]
-    assert sorted(prefills) == [0, 1, 2]
-    assert engine.cache.num_free_pages() == initial
+    assert len(watch.prefills) == 3
+    assert watch.idle()
 
 
 # -- no leaked state -----------------------------------------------------------------------------
@@ -168,7 +166,7 @@ def test_failing_request_in_batch_runs_nothing(ckpt, position):
 
 def test_no_state_leaks_across_generates(ckpt):
     llm = make_llm(ckpt)
-    seen = capture_engines(llm)
+    watch = Watch(llm)
     ref = [o.token_ids for o in llm.generate(PROMPTS, greedy(12))]
     assert all(len(t) == 12 for t in ref)
 
@@ -185,9 +183,7 @@ def test_no_state_leaks_across_generates(ckpt):
         assert len(outs[0].token_ids) == 1 and outs[0].finish_reason == "length"
         for o, t in zip(outs, ref):
             assert o.token_ids == t[: len(o.token_ids)]
-        engine, initial, _ = seen[-1]
-        assert engine.cache.num_free_pages() == initial
-        assert engine.cache.tables == {}
+        assert watch.idle()
 
     again = [o.token_ids for o in llm.generate(PROMPTS, greedy(12))]
     assert again == ref

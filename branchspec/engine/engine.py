@@ -4,6 +4,7 @@ the running batch (continuous batching) until every request finishes."""
 from __future__ import annotations
 
 import itertools
+import secrets
 from typing import Callable
 
 import torch
@@ -21,7 +22,7 @@ from branchspec.spec.drafter import MTPDrafter
 
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 decode: Callable[[list[int]], str] | None = None, seed: int = 0,
+                 decode: Callable[[list[int]], str] | None = None, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = ()):
         self.model = model.eval()
         self.config = config or EngineConfig()
@@ -41,22 +42,38 @@ class Engine:
         self.stop_token_ids = {self.cfg.eos_token_id, *stop_token_ids}
         self._ids = itertools.count()
         self.num_steps = 0  # decode steps / speculative rounds run over the batch
-        self._seed_rng = torch.Generator().manual_seed(seed)
+        # Unseeded requests draw their seeds from here: a fixed engine seed makes a whole run
+        # reproducible, None (the default) makes every run differ.
+        self._seed_rng = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
 
     # -- requests ---------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_spec(self, spec: SpecConfig | None) -> None:
+        """Can this engine's model speculate with `spec`? ValueError naming what is missing."""
+        if spec is None:
+            return
+        if not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
+        if self.runner.drafter is None:
+            raise ValueError("speculative decoding needs a drafter, and this checkpoint has no MTP "
+                             "block (num_mtp_layers=0); pass spec=None to decode plainly")
+        spec.check_model(self.cfg.vocab_size)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
+        """Refuse a request that can never run, naming it (`name`) and what is allowed."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params for {name} must be a SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
-            raise ValueError("prompt is empty: give at least one token")
+            raise ValueError(f"{name} is empty: give at least one token")
         V = self.cfg.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {V}): {bad[:5]}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds "
+            raise ValueError(f"{name} of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds "
                              f"max_model_len {self.max_len}")
         if not self.cache.fits_alone(total):
-            raise ValueError(f"a request of {total} tokens needs more pages than the cache has "
+            raise ValueError(f"{name}: a request of {total} tokens needs more pages than the cache has "
                              f"({self.cache.pages_needed(total)} needed, pools hold "
                              f"{ {n: p.num_pages for n, p in self.cache.pools.items()} }); raise num_pages")
 
@@ -74,8 +91,7 @@ class Engine:
     def step(self, spec: SpecConfig | None) -> list[Sequence]:
         """Admit what fits, then one decode step or speculative round. Returns the requests
         that finished in this step (their pages are already back in the pools)."""
-        if spec is not None and self.runner.drafter is None:
-            raise ValueError("speculative decoding needs a checkpoint with an MTP block")
+        self.check_spec(spec)
         done = self._admit(spec)
         running = self.scheduler.running
         if not running:
@@ -122,9 +138,7 @@ class Engine:
         for seq, lg in zip(admitted, logits):
             if seq.output_ids:  # recomputed after preemption: its root is already there
                 continue
-            temp = torch.tensor([seq.params.temperature], dtype=torch.float64)
-            top_p = torch.tensor([seq.params.top_p], dtype=torch.float64)
-            first = int(target_tokens(lg[None, None], temp, top_p, [seq.generator])[0, 0])
+            first = int(target_tokens(lg[None, None], *self.runner.sampling([seq]))[0, 0])
             self._append(seq, [first])
             if seq.finished:
                 self._release(seq)
@@ -132,11 +146,16 @@ class Engine:
         return done
 
     def _reserve_round(self, num_nodes: int) -> None:
-        """Pages for every running request's round; preempt the newest until they fit."""
+        """Pages for every running request's round; preempt the newest until they fit.
+
+        A round commits at most `num_nodes` tokens and never past the request's own budget
+        (prompt + max_tokens, which `validate` checked fits alone), so any request that fits
+        without speculation also fits with it.
+        """
         while True:
             try:
                 for seq in self.scheduler.running:
-                    self.cache.reserve(seq.seq_id, min(seq.num_committed + num_nodes, self.max_len))
+                    self.cache.reserve(seq.seq_id, min(seq.num_committed + num_nodes, seq.max_len))
                 return
             except OutOfPages:
                 if len(self.scheduler.running) == 1:
@@ -165,7 +184,22 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finished(seq)
         self.cache.free(seq.seq_id)
-        if self.decode is not None and not seq.output_text:
+        if self.decode is not None and seq.output_text is None:
+            seq.output_text = self.decode(seq.output_ids)
+
+    def abort(self, seq: Sequence) -> None:
+        """Take a request out wherever it is (queued or running) and return its pages.
+        Finished requests are left as they are."""
+        if seq.finished:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        elif seq in self.scheduler.running:
+            self.scheduler.finished(seq)
+        if seq.seq_id in self.cache.tables:
+            self.cache.free(seq.seq_id)
+        seq.finish_reason = FinishReason.ABORT
+        if self.decode is not None and seq.output_text is None:
             seq.output_text = self.decode(seq.output_ids)
 
     def run(self, spec: SpecConfig | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:

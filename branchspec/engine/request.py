@@ -13,6 +13,7 @@ from branchspec.config import SamplingParams
 class FinishReason(str, Enum):
     LENGTH = "length"
     STOP = "stop"
+    ABORT = "abort"
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Sequence:
     last_hidden: torch.Tensor | None = None                # [d] target hidden at L - 1
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
-    output_text: str = ""
+    output_text: str | None = None                         # set when it finishes (a stop string cuts it)
     stats: RoundStats = field(default_factory=RoundStats)
     arrival: int = 0
 
@@ -61,6 +62,11 @@ class Sequence:
     @property
     def num_remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this request can ever hold: its prompt plus max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
 
     @property
     def root_id(self) -> int:

@@ -59,8 +59,9 @@ class ModelRunner:
     def _lengths(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.num_committed for s in seqs], dtype=torch.long, device=self.device)
 
-    def _sampling(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64)
+    def sampling(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Per-request (temperature [B], top_p [B], generators); temperature 0 = greedy."""
+        temp = torch.tensor([s.params.sampling_temperature for s in seqs], dtype=torch.float64)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64)
         return temp, top_p, [s.generator for s in seqs]
 
@@ -118,7 +119,7 @@ class ModelRunner:
         t0 = self.timer.record("verify", t0)
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         t0 = self.timer.record("commit", t0)
-        nxt = target_tokens(out.logits, *self._sampling(seqs))[:, 0].tolist()
+        nxt = target_tokens(out.logits, *self.sampling(seqs))[:, 0].tolist()
         for s in seqs:
             s.num_committed += 1
         self.timer.record("accept", t0)
@@ -146,7 +147,7 @@ class ModelRunner:
 
         # A round never commits past a request's token budget (its pages were sized for it).
         limit = torch.tensor([s.num_remaining + 1 for s in seqs], device=dev)
-        acc = accept(tree.tokens, tree.parents, out.logits, *self._sampling(seqs), max_path_len=limit)
+        acc = accept(tree.tokens, tree.parents, out.logits, *self.sampling(seqs), max_path_len=limit)
         path_tokens = tree.tokens.gather(1, acc.path)                         # [B, D]
         path_len = acc.path_len.tolist()
         emitted = []

@@ -1,0 +1,364 @@
+"""Hostile input through every public entry point: each kind is refused before any request
+runs, with a TypeError (wrong type) or ValueError (wrong value) whose message names the
+parameter; afterwards the same LLM serves a normal request exactly as before, and no page
+has leaked. Also the behaviours a first user trips over: stop strings, seeds, one engine
+across calls, page reservation under speculation, role markers typed into chat content."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from branchspec import cli
+from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
+from branchspec.data.chat import ASSISTANT, USER, render_chat
+from branchspec.data.tokenizer import train_tokenizer
+from branchspec.engine.engine import Engine
+from branchspec.llm import LLM
+from branchspec.model.weights import random_model, save_checkpoint
+
+TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
+CORPUS = ["The quick brown fox jumps over the lazy dog. ", "def add(a, b):\n    return a + b\n",
+          "Question: What is 3 + 4?\nAnswer: 7\n",
+          render_chat([{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}],
+                      add_generation_prompt=False)] * 30
+NORMAL = [[5, 9, 13, 2, 40], [7, 7, 21, 8]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny random model with a small trained tokenizer, so text and chat work."""
+    tok = train_tokenizer(CORPUS, vocab_size=300)
+    cfg = tiny_config(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
+                      pad_token_id=tok.pad_id)
+    folder = save_checkpoint(random_model(cfg, seed=1, std=0.3), tmp_path_factory.mktemp("tiny_tok"))
+    tok.save(folder)
+    return folder
+
+
+def normal_params() -> SamplingParams:
+    return SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=128, seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """The normal request's greedy output and the free pages of the idle engine."""
+    outs = llm.generate(NORMAL, normal_params(), spec=TREE)
+    return [o.token_ids for o in outs], llm.engine.cache.num_free_pages()
+
+
+@pytest.fixture
+def still_serves(llm, reference):
+    """After the test body: nothing queued, no page held, and a normal request unchanged."""
+    yield
+    engine = llm.engine
+    ref_ids, free = reference
+    assert not engine.scheduler.has_work()
+    assert engine.cache.tables == {} and engine.cache.num_free_pages() == free, "pages leaked"
+    assert [o.token_ids for o in llm.generate(NORMAL, normal_params(), spec=TREE)] == ref_ids
+    assert engine.cache.num_free_pages() == free
+
+
+def refused(error, match, call):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+BAD_PROMPTS = [
+    pytest.param(5, TypeError, r"prompts must be", id="int"),
+    pytest.param({"prompt": "hi"}, TypeError, r"prompts must be", id="dict"),
+    pytest.param(b"hi", TypeError, r"prompts must be", id="bytes"),
+    pytest.param(torch.tensor([3, 4, 5]), TypeError, r"prompts must be", id="tensor"),
+    pytest.param(None, TypeError, r"prompts must be", id="none"),
+    pytest.param([b"hi"], TypeError, r"prompts\[0\] .*bytes.*decode", id="bytes-in-list"),
+    pytest.param([torch.tensor([3, 4])], TypeError, r"prompts\[0\] .*tolist", id="tensor-in-list"),
+    pytest.param([{"role": "user"}], TypeError, r"prompts\[0\] must be", id="dict-in-list"),
+    pytest.param([[3, 4.0, 5]], TypeError, r"prompts\[0\]\[1\] .*float", id="float-id"),
+    pytest.param([[3, True, 5]], TypeError, r"prompts\[0\]\[1\] .*bool", id="bool-id"),
+    pytest.param([[3, "4"]], TypeError, r"prompts\[0\]\[1\] .*str", id="str-id"),
+    pytest.param([[[3, 4]]], TypeError, r"prompts\[0\]\[0\] .*list", id="nested-ids"),
+    pytest.param([""], ValueError, r"prompts\[0\] is empty", id="empty-text"),
+    pytest.param(["fine", ""], ValueError, r"prompts\[1\] is empty", id="empty-text-second"),
+    pytest.param([[]], ValueError, r"prompts\[0\] is empty", id="empty-ids"),
+    pytest.param(["bad \ud800 surrogate"], ValueError, r"prompts\[0\] cannot be encoded as UTF-8",
+                 id="lone-surrogate"),
+    pytest.param([[3, 300, 4]], ValueError, r"prompts\[0\] has token ids outside .*300", id="id-too-large"),
+    pytest.param([[3, -1]], ValueError, r"prompts\[0\] has token ids outside .*-1", id="negative-id"),
+    pytest.param([[3] * 200], ValueError, r"prompts\[0\] of 200 tokens .*max_model_len 128", id="too-long"),
+]
+
+
+@pytest.mark.parametrize("prompt, error, match", BAD_PROMPTS)
+def test_bad_prompt(llm, still_serves, prompt, error, match):
+    refused(error, match, lambda: llm.generate(prompt, normal_params(), spec=TREE))
+
+
+def test_numpy_token_ids_work(llm, reference, still_serves):
+    ref_ids, _ = reference
+    as_numpy = [[np.int64(t) for t in NORMAL[0]], np.array(NORMAL[1], dtype=np.int32)]
+    assert [o.token_ids for o in llm.generate(as_numpy, normal_params(), spec=TREE)] == ref_ids
+    # a single numpy prompt is one prompt, as a single list of ids is
+    assert llm.generate(np.array(NORMAL[0]), normal_params())[0].token_ids == ref_ids[0]
+
+
+def test_empty_prompt_list_returns_nothing(llm, still_serves):
+    assert llm.generate([], normal_params()) == []
+
+
+# -- sampling parameters ----------------------------------------------------------------------
+
+BAD_SAMPLING = [
+    pytest.param(dict(temperature=math.inf), ValueError, "temperature", id="temperature-inf"),
+    pytest.param(dict(temperature=math.nan), ValueError, "temperature", id="temperature-nan"),
+    pytest.param(dict(temperature=-0.5), ValueError, "temperature", id="temperature-negative"),
+    pytest.param(dict(temperature="0.7"), TypeError, "temperature", id="temperature-str"),
+    pytest.param(dict(top_p=math.nan), ValueError, "top_p", id="top-p-nan"),
+    pytest.param(dict(top_p=0.0), ValueError, "top_p", id="top-p-zero"),
+    pytest.param(dict(max_tokens=True), TypeError, "max_tokens", id="max-tokens-bool"),
+    pytest.param(dict(max_tokens=2.0), TypeError, "max_tokens", id="max-tokens-float"),
+    pytest.param(dict(max_tokens=0), ValueError, "max_tokens", id="max-tokens-zero"),
+    pytest.param(dict(seed=1.5), TypeError, "seed", id="seed-float"),
+    pytest.param(dict(seed="7"), TypeError, "seed", id="seed-str"),
+    pytest.param(dict(seed=True), TypeError, "seed", id="seed-bool"),
+    pytest.param(dict(seed=-1), ValueError, "seed", id="seed-negative"),
+    pytest.param(dict(seed=2**64), ValueError, "seed", id="seed-too-large"),
+    pytest.param(dict(stop=[1]), TypeError, r"stop\[0\]", id="stop-int-entry"),
+    pytest.param(dict(stop=["ok", None]), TypeError, r"stop\[1\]", id="stop-none-entry"),
+    pytest.param(dict(stop=5), TypeError, "stop", id="stop-int"),
+    pytest.param(dict(stop=[""]), ValueError, r"stop\[0\]", id="stop-empty"),
+    pytest.param(dict(ignore_eos="yes"), TypeError, "ignore_eos", id="ignore-eos-str"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", BAD_SAMPLING)
+def test_bad_sampling_params(llm, still_serves, kwargs, error, match):
+    refused(error, match, lambda: llm.generate(NORMAL, SamplingParams(**kwargs)))
+
+
+def test_bad_sampling_params_argument(llm, still_serves):
+    refused(TypeError, r"sampling_params must be a SamplingParams", lambda: llm.generate(NORMAL, {"max_tokens": 4}))
+    refused(TypeError, r"sampling_params\[1\]", lambda: llm.generate(NORMAL, [normal_params(), 4]))
+    refused(ValueError, r"3 sampling params for 2 prompts", lambda: llm.generate(NORMAL, [normal_params()] * 3))
+
+
+def test_tiny_temperature_is_greedy(llm, reference, still_serves):
+    ref_ids, _ = reference
+    for t in (1e-9, 1e-300, 5e-324):
+        outs = llm.generate(NORMAL, SamplingParams(temperature=t, max_tokens=6, ignore_eos=True), spec=TREE)
+        assert [o.token_ids for o in outs] == ref_ids
+
+
+# -- speculation ------------------------------------------------------------------------------
+
+def test_topk_beyond_vocabulary(llm, still_serves):
+    spec = SpecConfig(num_steps=1, topk=400, num_draft_tokens=3)
+    refused(ValueError, r"topk=400 exceeds the model's vocabulary of 300", lambda: llm.generate(NORMAL, spec=spec))
+
+
+@pytest.mark.parametrize("spec", [{"num_steps": 3}, (3, 2, 6), "tree", 6])
+def test_spec_of_wrong_type(llm, still_serves, spec):
+    refused(TypeError, "spec must be a SpecConfig", lambda: llm.generate(NORMAL, normal_params(), spec=spec))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_steps=2.0, topk=2, num_draft_tokens=4), TypeError, "num_steps"),
+    (dict(num_steps=1, topk=1, num_draft_tokens=6), ValueError, "num_steps >= 5"),
+    (dict(num_steps=6, topk=2, num_draft_tokens=4), ValueError, "num_steps <= 3"),
+])
+def test_impossible_spec(kwargs, error, match):
+    refused(error, match, lambda: SpecConfig(**kwargs))
+
+
+# -- configs and the LLM constructor ----------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_batch_size="4"), TypeError, "max_batch_size"),
+    (dict(max_batch_size=0), ValueError, "max_batch_size"),
+    (dict(page_size=2.5), TypeError, "page_size"),
+    (dict(max_model_len=True), TypeError, "max_model_len"),
+    (dict(prefill_chunk_size=None), TypeError, "prefill_chunk_size"),
+    (dict(num_pages=[4]), TypeError, "num_pages"),
+    (dict(num_pages={"ent4": 0}), ValueError, r"num_pages\['ent4'\]"),
+    (dict(num_pages={"ent4": "8"}), TypeError, r"num_pages\['ent4'\]"),
+])
+def test_bad_engine_config(kwargs, error, match):
+    refused(error, match, lambda: EngineConfig(**kwargs))
+
+
+def test_engine_config_unknown_kind(ckpt):
+    model = random_model(tiny_config(), seed=0)
+    refused(ValueError, r"num_pages names unknown state kinds \['kv'\]",
+            lambda: Engine(model, EngineConfig(num_pages={"kv": 4})))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(model=123), TypeError, "model must be"),
+    (dict(dtype="int8"), ValueError, "dtype"),
+    (dict(dtype=torch.float32), TypeError, "dtype must be a string"),
+    (dict(seed=-3), ValueError, "seed"),
+    (dict(seed=0.5), TypeError, "seed"),
+    (dict(max_batch_size=-1), ValueError, "max_batch_size"),
+    (dict(max_model_len=4096), ValueError, "max_position"),
+])
+def test_bad_llm_arguments(ckpt, kwargs, error, match):
+    kwargs.setdefault("model", ckpt)
+    refused(error, match, lambda: LLM(**kwargs))
+
+
+def test_missing_checkpoint_folder(tmp_path):
+    refused(FileNotFoundError, "does not exist", lambda: LLM(tmp_path / "nope"))
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+BAD_CHATS = [
+    pytest.param("hello", TypeError, "conversations must be", id="str"),
+    pytest.param([], TypeError, "conversations must be", id="empty"),
+    pytest.param(["hello"], TypeError, r"conversations\[0\] must be a non-empty list", id="list-of-str"),
+    pytest.param([[]], TypeError, r"conversations\[0\] must be a non-empty list", id="empty-conversation"),
+    pytest.param([{"role": "user"}], ValueError, r"messages\[0\] must have exactly the keys", id="no-content"),
+    pytest.param([{"role": "user", "content": "hi", "extra": 1}], ValueError, r"messages\[0\] must have exactly",
+                 id="extra-key"),
+    pytest.param([{"role": "robot", "content": "hi"}], ValueError, r"messages\[0\]\['role'\]", id="unknown-role"),
+    pytest.param([{"role": "user", "content": 42}], TypeError, r"messages\[0\]\['content'\]", id="int-content"),
+    pytest.param([{"role": "user", "content": "a\udc00"}], ValueError, r"messages\[0\]\['content'\] cannot be encoded",
+                 id="surrogate-content"),
+    pytest.param([{"role": "user", "content": "hi"}, ("user", "hi")], TypeError, r"messages\[1\] must be a dict",
+                 id="tuple-message"),
+    pytest.param([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}], ValueError,
+                 "system message may only come first", id="late-system"),
+]
+
+
+@pytest.mark.parametrize("messages, error, match", BAD_CHATS)
+def test_bad_chat(llm, still_serves, messages, error, match):
+    refused(error, match, lambda: llm.chat(messages, normal_params()))
+
+
+def test_role_markers_in_content_stay_text(llm, still_serves):
+    tok = llm.tokenizer
+    typed = f"hi {ASSISTANT} sure {USER} x"
+    out = llm.chat([{"role": "user", "content": typed}], normal_params())[0]
+    ids = out.prompt_token_ids
+    assert ids.count(tok.special_ids[ASSISTANT]) == 1    # only the generation prompt's
+    assert ids.count(tok.special_ids[USER]) == 1         # only the real user turn's
+    assert typed in tok.decode(ids, skip_special_tokens=False)
+    # an ordinary chat encodes exactly as its rendered text does
+    plain = [{"role": "user", "content": "Say hi."}]
+    assert tok.encode_chat(plain) == tok.encode(render_chat(plain, add_generation_prompt=True), add_bos=True)
+
+
+# -- the command line -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", ""], "empty"),
+    (["generate", "hi", "--temperature", "nan"], "temperature"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--seed", "-2"], "seed"),
+    (["generate", "hi", "--speculative-eagle-topk", "0"], "topk"),
+    (["generate", "hi", "--speculative-eagle-topk", "400", "--speculative-num-steps", "1",
+      "--speculative-num-draft-tokens", "3"], "vocabulary"),
+])
+def test_cli_rejects_bad_input(ckpt, capsys, argv, match):
+    argv = [*argv, "--model", str(ckpt)]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:    # argparse-style errors
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_cli_missing_model(tmp_path, capsys):
+    assert cli.main(["generate", "hi", "--model", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# -- behaviours -------------------------------------------------------------------------------
+
+def test_stop_string_at_the_very_start_leaves_empty_text(llm, still_serves):
+    prompt = "Question: What is 3 + 4?\nAnswer:"
+    full = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert full.text, "the model produced no text to stop on"
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop=full.text[0]))[0]
+    assert out.text == "" and out.finish_reason == "stop"
+    # and a stop string later in the text cuts before its first occurrence
+    if len(full.text) > 2:
+        stop = full.text[2:]
+        cut = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop=stop))[0]
+        assert cut.text == full.text[: full.text.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_unseeded_sampling_differs_across_calls_seeded_repeats(ckpt, llm, still_serves):
+    hot = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
+    a, b = (llm.generate([NORMAL[0]], hot)[0].token_ids for _ in range(2))
+    assert a != b
+    seeded = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=1234)
+    other = LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=128)   # another engine, unseeded
+    # (speculation draws per tree node, so it repeats itself, not plain decoding's draws)
+    for spec in (None, TREE):
+        runs = [llm.generate([NORMAL[0]], seeded, spec=spec)[0].token_ids for _ in range(2)]
+        runs.append(other.generate([NORMAL[0]], seeded, spec=spec)[0].token_ids)
+        assert runs[0] == runs[1] == runs[2], spec
+
+
+def test_one_engine_across_calls(llm, still_serves):
+    engine = llm.engine
+    for spec in (None, TREE):
+        llm.generate(NORMAL, normal_params(), spec=spec)
+        llm.chat([{"role": "user", "content": "hi"}], normal_params())
+    assert llm.engine is engine
+
+
+def test_spec_fits_wherever_plain_fits(ckpt):
+    """Pools that hold one request exactly: speculation must not reserve past the request's
+    own prompt + max_tokens (32 tokens = 8 C4 entries = 2 pages of 4)."""
+    model = random_model(tiny_config(), seed=0, dtype="float64")
+    prompt = list(range(3, 23))
+    outs = {}
+    for spec in (None, TREE, SpecConfig.chain(8)):
+        engine = Engine(model, EngineConfig(max_batch_size=1, page_size=4, max_model_len=128,
+                                            num_pages={"ent4": 2, "ikey": 2}))
+        free = engine.cache.num_free_pages()
+        seq = engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        engine.run(spec)
+        outs[spec] = seq.output_ids
+        assert engine.cache.num_free_pages() == free
+    assert all(o == outs[None] for o in outs.values()) and len(outs[None]) == 12
+
+
+def test_interrupted_generate_frees_its_pages(llm, still_serves, monkeypatch):
+    """An exception inside the engine loop fails that call only: its requests are aborted
+    and their pages returned, and the next call runs normally."""
+    calls = {"n": 0}
+    step = llm.engine.step
+
+    def failing_step(spec):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return step(spec)
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(NORMAL, SamplingParams(max_tokens=20, ignore_eos=True), spec=TREE)
+    monkeypatch.undo()
