@@ -94,7 +94,7 @@ def _add_train(sub):
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP)")
+    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl, else the Hugging Face hub)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/state.pt if present")
     p.add_argument("--export", default=None, help="checkpoint folder to write at the end (default OUT/checkpoint)")
     p.set_defaults(func=_train, parser=p)
