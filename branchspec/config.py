@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_RATIOS = (0, 4, 128)
+SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,11 @@ class ModelConfig:
     overlapping C4 compressor and a lightning indexer, layers with ratio 128 the C128
     compressor. `compress_ratios[l] == 0` means window only.
 
+    The real V4 architecture's per-token parts are switched on by their fields, and the
+    zero defaults give the plain model (v4-mini): `compress_rope_theta` and `yarn_*` (RoPE
+    of compressed layers), `o_groups` (grouped low-rank output), `hc_mult` (hyper-
+    connections), `num_experts` (MoE instead of a dense SwiGLU of `ffn_hidden`).
+
     Every bad value, a wrong type included (`ModelConfig(d_model="256")`, `d_model=256.0`,
     `num_layers=True`, NaN `rope_theta`), raises ConfigError (a ValueError) naming the
     field, never TypeError: a config is data, usually read from `config.json`, and one
@@ -74,8 +80,11 @@ class ModelConfig:
     _INT_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "rope_dim",
                    "q_lora_rank", "window", "index_num_heads", "index_head_dim", "index_topk",
                    "ffn_hidden", "max_position", "num_mtp_layers", "bos_token_id", "eos_token_id",
-                   "pad_token_id")
-    _FLOAT_FIELDS = ("rope_theta", "norm_eps")
+                   "pad_token_id", "yarn_original_max_position", "o_groups", "o_lora_rank", "hc_mult",
+                   "hc_sinkhorn_iters", "num_experts", "num_experts_per_tok", "num_shared_experts",
+                   "moe_hidden", "num_hash_layers")
+    _FLOAT_FIELDS = ("rope_theta", "norm_eps", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow", "hc_eps",
+                     "routed_scaling_factor", "swiglu_limit")
 
     vocab_size: int = 8192
     d_model: int = 256
@@ -97,6 +106,31 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
+    # RoPE of CSA/HCA layers (queries, keys, entries, indexer): its own base and YaRN.
+    # Sliding-only layers and the MTP block use plain `rope_theta`.
+    compress_rope_theta: float | None = None     # None: rope_theta
+    yarn_factor: float = 1.0                     # 1: no YaRN
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    # Grouped low-rank output: heads in o_groups groups, each to o_lora_rank, then to d_model.
+    o_groups: int = 0                            # 0: one W_o
+    o_lora_rank: int = 0
+    # Manifold-constrained hyper-connections: hc_mult residual streams.
+    hc_mult: int = 0                             # 0: one plain residual stream
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # MoE: routed experts (top-k by score, or by a token-id hash in the first layers) plus
+    # shared experts, each a SwiGLU of moe_hidden.
+    num_experts: int = 0                         # 0: dense SwiGLU of ffn_hidden
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 1
+    moe_hidden: int = 0
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_hash_layers: int = 0
+    swiglu_limit: float = 0.0                    # 0: no clamp
     # Ratios outside {0, 4, 128} change the pooling schedule; only tests should need them.
     allow_any_ratio: bool = False
 
@@ -107,8 +141,12 @@ class ModelConfig:
             object.__setattr__(self, name, _config_int(name, getattr(self, name)))
         for name in self._FLOAT_FIELDS:
             object.__setattr__(self, name, _config_float(name, getattr(self, name)))
-        _require(isinstance(self.allow_any_ratio, bool),
-                 f"allow_any_ratio must be true or false, got {self.allow_any_ratio!r}")
+        if self.compress_rope_theta is not None:
+            object.__setattr__(self, "compress_rope_theta", _config_float("compress_rope_theta",
+                                                                          self.compress_rope_theta))
+        for name in ("allow_any_ratio", "norm_topk_prob"):
+            _require(isinstance(getattr(self, name), bool),
+                     f"{name} must be true or false, got {getattr(self, name)!r}")
         ratios = self.compress_ratios
         _require(isinstance(ratios, (list, tuple)),
                  f"compress_ratios must be a list of integers (one per layer), got "
@@ -144,10 +182,51 @@ class ModelConfig:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tid = getattr(self, name)
             _require(0 <= tid < self.vocab_size, f"{name} = {tid} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_v4_parts()
+
+    def _check_v4_parts(self) -> None:
+        _require(self.compress_rope_theta is None or self.compress_rope_theta > 0,
+                 f"compress_rope_theta must be positive (or null for rope_theta), got {self.compress_rope_theta}")
+        _require(self.yarn_factor >= 1.0, f"yarn_factor must be >= 1 (1 = no YaRN), got {self.yarn_factor}")
+        if self.yarn_factor > 1.0:
+            _require(self.yarn_original_max_position > 0,
+                     "yarn_original_max_position must be positive when yarn_factor > 1")
+            _require(self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0,
+                     "yarn_beta_fast and yarn_beta_slow must be positive")
+        _require(self.o_groups >= 0, f"o_groups must be >= 0 (0 = one output projection), got {self.o_groups}")
+        if self.o_groups > 0:
+            _require((self.num_heads * self.head_dim) % self.o_groups == 0,
+                     f"o_groups ({self.o_groups}) must divide num_heads * head_dim "
+                     f"({self.num_heads * self.head_dim})")
+            _require(self.o_lora_rank > 0, "o_lora_rank must be positive when o_groups > 0")
+        _require(self.hc_mult >= 0, f"hc_mult must be >= 0 (0 = plain residual), got {self.hc_mult}")
+        _require(self.hc_sinkhorn_iters >= 1, f"hc_sinkhorn_iters must be >= 1, got {self.hc_sinkhorn_iters}")
+        _require(self.hc_eps > 0, f"hc_eps must be positive, got {self.hc_eps}")
+        _require(self.swiglu_limit >= 0, f"swiglu_limit must be >= 0 (0 = no clamp), got {self.swiglu_limit}")
+        _require(self.num_experts >= 0, f"num_experts must be >= 0 (0 = dense SwiGLU), got {self.num_experts}")
+        if self.num_experts == 0:
+            _require(self.num_hash_layers == 0, "num_hash_layers needs MoE layers (num_experts > 0)")
+            return
+        _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                 f"{self.num_experts_per_tok}")
+        _require(self.moe_hidden > 0, f"moe_hidden must be positive when num_experts > 0, got {self.moe_hidden}")
+        _require(self.num_shared_experts in (0, 1), f"num_shared_experts must be 0 or 1, got {self.num_shared_experts}")
+        _require(self.scoring_func in SCORING_FUNCS,
+                 f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        _require(self.routed_scaling_factor > 0,
+                 f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
+        _require(0 <= self.num_hash_layers <= self.num_layers,
+                 f"num_hash_layers must be in [0, num_layers={self.num_layers}], got {self.num_hash_layers}")
 
     @property
     def has_indexer(self) -> bool:
         return 4 in self.compress_ratios
+
+    @property
+    def num_streams(self) -> int:
+        """Residual streams per token: hc_mult with hyper-connections, else 1."""
+        return max(self.hc_mult, 1)
 
     @property
     def compressed_ratios(self) -> tuple[int, ...]:
@@ -211,6 +290,19 @@ def tiny_config(**overrides) -> ModelConfig:
                 max_position=1024)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def tiny_v4_config(**overrides) -> ModelConfig:
+    """`tiny_config` with every part of the real architecture on: YaRN on the compressed
+    layers, grouped output, 2 hyper-connection streams, MoE (4 experts, top 2, a hash
+    layer first, a shared expert, the swiglu clamp)."""
+    base = dict(compress_rope_theta=160000.0, yarn_factor=16.0, yarn_original_max_position=64,
+                o_groups=2, o_lora_rank=8, hc_mult=2, hc_sinkhorn_iters=20,
+                num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_hidden=24,
+                scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, num_hash_layers=1,
+                swiglu_limit=10.0)
+    base.update(overrides)
+    return tiny_config(**base)
 
 
 def v4_mini_config(**overrides) -> ModelConfig:

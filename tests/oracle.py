@@ -1,6 +1,8 @@
 """A deliberately naive implementation of the model, one position at a time, written from
 DESIGN section 2 without the engine's metadata, pooling plans or paged state. It shares the
-weights of a `Transformer` and is the ground truth the fast paths are checked against."""
+weights of a `Transformer` and is the ground truth the fast paths are checked against.
+It covers the plain model (one residual stream, dense FFN, one W_o); the real
+architecture's per-token parts are checked against transformers instead."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _entries(comp, x, T, r, dim, cfg):
         else:
             rows_a, rows_g = a[r * i:r * i + r], g[r * i:r * i + r]
         pooled = (torch.softmax(rows_g, dim=0) * rows_a).sum(0)
-        out.append(rope(_norm(comp.norm, pooled)[None], torch.tensor([r * i]), cfg.rope_dim, cfg.rope_theta)[0])
+        out.append(rope(_norm(comp.norm, pooled)[None], torch.tensor([r * i]), comp.inv_freq)[0])
     return torch.stack(out) if out else torch.zeros(0, dim, dtype=x.dtype)
 
 
@@ -45,14 +47,14 @@ def oracle_block(block, h: torch.Tensor, cfg) -> torch.Tensor:
     c_q = _norm(attn.q_norm, x @ attn.wq_a.weight.T)
     q = (c_q @ attn.wq_b.weight.T).view(T, H, dh)
     q = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
-    q = rope(q, pos, cfg.rope_dim, cfg.rope_theta)
-    k = rope(_norm(attn.kv_norm, x @ attn.wkv.weight.T), pos, cfg.rope_dim, cfg.rope_theta)
+    q = rope(q, pos, attn.inv_freq)
+    k = rope(_norm(attn.kv_norm, x @ attn.wkv.weight.T), pos, attn.inv_freq)
     ent = _entries(attn.compressor, x, T, r, dh, cfg) if r > 0 else None
     if r == 4:
         idx = attn.indexer
         ikeys = _entries(idx.compressor, x, T, 4, cfg.index_head_dim, cfg)
         iq = rope((c_q @ idx.wq_b.weight.T).view(T, cfg.index_num_heads, cfg.index_head_dim), pos,
-                  cfg.rope_dim, cfg.rope_theta)
+                  idx.inv_freq)
         iw = (x @ idx.weights_proj.weight.T) * (cfg.index_num_heads * cfg.index_head_dim) ** -0.5
     outs = []
     for t in range(T):
@@ -71,7 +73,7 @@ def oracle_block(block, h: torch.Tensor, cfg) -> torch.Tensor:
             logit = K @ q[t, head] / dh ** 0.5
             p = torch.softmax(torch.cat([logit, attn.attn_sink[head].reshape(1).to(logit.dtype)]), 0)[:-1]
             o.append(p @ K)
-        o = rope(torch.stack(o)[None], torch.tensor([t]), cfg.rope_dim, cfg.rope_theta, inverse=True)[0]
+        o = rope(torch.stack(o)[None], torch.tensor([t]), attn.inv_freq, inverse=True)[0]
         outs.append(o.reshape(-1) @ attn.wo.weight.T)
     h = h + torch.stack(outs)
     return h + block.ffn(_norm(block.ffn_norm, h))

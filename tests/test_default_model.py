@@ -2,6 +2,7 @@
 deterministic greedy text that speculation reproduces exactly."""
 
 import json
+from pathlib import Path
 
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.llm import DEFAULT_CHECKPOINT
@@ -33,3 +34,14 @@ def test_default_model_chat():
     out = llm.chat([{"role": "user", "content": "Give me three tips for staying focused."}],
                    SamplingParams(max_tokens=16))[0]
     assert len(out.token_ids) >= 1 and isinstance(out.text, str)
+
+
+def test_default_model_outputs_are_unchanged():
+    """Greedy outputs recorded from the shipped checkpoint when it was trained (in the
+    first RoPE layout, before it was re-exported): layout changes must not move a token."""
+    golden = json.loads((Path(__file__).parent / "data" / "v4_mini_golden.json").read_text())
+    llm = LLM()
+    params = SamplingParams(max_tokens=golden["max_tokens"], ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(golden["prompts"], params)] == golden["plain"]
+    assert [o.token_ids for o in llm.generate(golden["prompts"], params, spec=SpecConfig(3, 2, 6))] == golden["tree"]
+    assert llm.chat(golden["chat"], params)[0].token_ids == golden["chat_plain"]

@@ -69,14 +69,15 @@ class Compressor(nn.Module):
 
     C4 (ratio 4) overlaps: entry i pools 8 rows, channels [:dim] of the previous block and
     channels [dim:] of the current block; the missing block before entry 0 is padding.
+    Entries are rotated with the compressed layers' RoPE at their block-start position.
     """
 
-    def __init__(self, d_model: int, ratio: int, dim: int, cfg: ModelConfig):
+    def __init__(self, d_model: int, ratio: int, dim: int, cfg: ModelConfig, inv_freq: torch.Tensor):
         super().__init__()
         self.ratio, self.dim = ratio, dim
         self.overlap = ratio == 4
         width = (2 if self.overlap else 1) * dim
-        self.rope_dim, self.theta = cfg.rope_dim, cfg.rope_theta
+        self.inv_freq = inv_freq                                    # [rope_dim / 2] float64
         self.wkv = nn.Linear(d_model, width, bias=False)
         self.wgate = nn.Linear(d_model, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width))
@@ -103,19 +104,19 @@ class Compressor(nn.Module):
         a = a.masked_fill(pad, 0.0)
         g = g.masked_fill(pad, float("-inf"))
         pooled = (torch.softmax(g, dim=2) * a).sum(dim=2)         # [B, K, dim]
-        return rope(self.norm(pooled), plan.entry_pos, self.rope_dim, self.theta)
+        return rope(self.norm(pooled), plan.entry_pos, self.inv_freq)
 
 
 class Indexer(nn.Module):
     """Lightning indexer: ranks visible C4 entries with ReLU-weighted multi-head scores."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor):
         super().__init__()
         self.num_heads, self.head_dim, self.topk = cfg.index_num_heads, cfg.index_head_dim, cfg.index_topk
-        self.rope_dim, self.theta = cfg.rope_dim, cfg.rope_theta
+        self.inv_freq = inv_freq
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.d_model, self.num_heads, bias=False)
-        self.compressor = Compressor(cfg.d_model, 4, self.head_dim, cfg)
+        self.compressor = Compressor(cfg.d_model, 4, self.head_dim, cfg, inv_freq)
         self.scale = (self.num_heads * self.head_dim) ** -0.5
 
     def select(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor,
@@ -129,7 +130,7 @@ class Indexer(nn.Module):
         if T == 0:
             return visible
         q = self.wq_b(c_q).view(B, N, self.num_heads, self.head_dim)
-        q = rope(q, positions, self.rope_dim, self.theta)
+        q = rope(q, positions, self.inv_freq)
         w = self.weights_proj(x) * self.scale                      # [B, N, H_I]
         dots = torch.einsum("bnhd,btd->bnht", q, index_keys).relu()
         score = torch.einsum("bnh,bnht->bnt", w, dots)             # [B, N, T]
@@ -143,19 +144,28 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int):
+    """One V4 attention layer. `inv_freq` is the layer's RoPE (see `layers.rope_tables`):
+    the main setting for sliding-only layers, the compressed one for C4 and C128 layers."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, inv_freq: torch.Tensor):
         super().__init__()
         self.cfg, self.ratio = cfg, ratio
         H, dh = cfg.num_heads, cfg.head_dim
+        self.inv_freq = inv_freq
         self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * dh, bias=False)
         self.wkv = nn.Linear(cfg.d_model, dh, bias=False)
         self.kv_norm = RMSNorm(dh, cfg.norm_eps)
-        self.wo = nn.Linear(H * dh, cfg.d_model, bias=False)
+        if cfg.o_groups:
+            # Grouped low-rank output: each group of heads to o_lora_rank, then all to d_model.
+            self.wo_a = nn.Linear(H * dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+            self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.d_model, bias=False)
+        else:
+            self.wo = nn.Linear(H * dh, cfg.d_model, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
-        self.compressor = Compressor(cfg.d_model, ratio, dh, cfg) if ratio > 0 else None
-        self.indexer = Indexer(cfg) if ratio == 4 else None
+        self.compressor = Compressor(cfg.d_model, ratio, dh, cfg, inv_freq) if ratio > 0 else None
+        self.indexer = Indexer(cfg, inv_freq) if ratio == 4 else None
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, state: LayerState
                 ) -> tuple[torch.Tensor, LayerScratch]:
@@ -167,8 +177,8 @@ class Attention(nn.Module):
 
         c_q = self.q_norm(self.wq_a(x))                            # [B, N, q_lora]
         q = unit_rms(self.wq_b(c_q).view(B, N, H, dh), cfg.norm_eps)
-        q = rope(q, pos, cfg.rope_dim, cfg.rope_theta)             # [B, N, H, d_h]
-        k = rope(self.kv_norm(self.wkv(x)), pos, cfg.rope_dim, cfg.rope_theta)  # [B, N, d_h]
+        q = rope(q, pos, self.inv_freq)                            # [B, N, H, d_h]
+        k = rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq)    # [B, N, d_h]
         scratch = LayerScratch(k=k)
 
         # Window: committed keys in range, plus ancestor-or-self new keys in range.
@@ -201,5 +211,15 @@ class Attention(nn.Module):
         sink = self.attn_sink.to(scores.dtype).view(1, H, 1, 1).expand(B, H, N, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("bhnt,btd->bnhd", probs, keys_all)      # [B, N, H, d_h]
-        out = rope(out, pos, cfg.rope_dim, cfg.rope_theta, inverse=True)
-        return self.wo(out.reshape(B, N, H * dh)), scratch
+        out = rope(out, pos, self.inv_freq, inverse=True)
+        return self.output(out), scratch
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output per head [B, N, H, d_h] -> [B, N, d_model]."""
+        B, N = out.shape[:2]
+        if not self.cfg.o_groups:
+            return self.wo(out.reshape(B, N, -1))
+        g = self.cfg.o_groups
+        grouped = out.reshape(B, N, g, -1)                         # [B, N, g, H*d_h/g]
+        w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)     # [g, r, H*d_h/g]
+        return self.wo_b(torch.einsum("bngi,gri->bngr", grouped, w).flatten(2))

@@ -1,10 +1,16 @@
-"""Small building blocks: RMSNorm, rotary embedding, SwiGLU."""
+"""Per-token building blocks: norms, rotary embedding (with YaRN), SwiGLU, MoE and the
+manifold-constrained hyper-connections. None of them keeps state across tokens, so none of
+them touches the isolation problem; they are what real V4 checkpoints need."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from branchspec.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -22,36 +28,211 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float,
-         inverse: bool = False) -> torch.Tensor:
-    """Rotate the last `rope_dim` dims of x by angles positions * theta^(-2i/rope_dim).
+# -- rotary embedding ----------------------------------------------------------------------
 
-    x: [..., N, (H,) dim]; positions: [..., N] broadcastable to x without its head/feature dims.
-    The rotation pairs dim i with dim i + rope_dim/2 of the rotary part (rotate-half form).
-    `inverse` rotates by -position: V4 un-rotates the attention output, whose values carry
-    their keys' rotations, back to the query's frame.
+def rope_inv_freq(rope_dim: int, theta: float, yarn_factor: float = 1.0, original_max_position: int = 0,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2] in float64, with YaRN when yarn_factor > 1.
+
+    YaRN keeps the fast-rotating pairs (more than beta_fast turns over the original context)
+    as they are, divides the slow ones (fewer than beta_slow turns) by the factor, and
+    ramps linearly in between; V4 applies no attention scaling on top (factor 1).
     """
     half = rope_dim // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2.0 / rope_dim)
-    angles = positions.to(torch.float64).unsqueeze(-1) * freqs  # [..., N, half]
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / rope_dim)
+    if yarn_factor <= 1.0:
+        return inv_freq
+
+    def pair_index(num_turns: float) -> float:   # the pair that turns num_turns times
+        return rope_dim * math.log(original_max_position / (num_turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_index(beta_fast)), 0)
+    high = min(math.ceil(pair_index(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(half, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                   # 1: extrapolate (as is), 0: interpolate
+    return inv_freq / yarn_factor * (1 - keep) + inv_freq * keep
+
+
+def rope_tables(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The two RoPE settings of a V4 model: "main" for sliding-only layers (and the MTP
+    block), "compress" for CSA/HCA layers, whose queries, keys, entries and indexer all
+    rotate with compress_rope_theta and YaRN."""
+    theta_c = cfg.compress_rope_theta if cfg.compress_rope_theta is not None else cfg.rope_theta
+    return {"main": rope_inv_freq(cfg.rope_dim, cfg.rope_theta),
+            "compress": rope_inv_freq(cfg.rope_dim, theta_c, cfg.yarn_factor, cfg.yarn_original_max_position,
+                                      cfg.yarn_beta_fast, cfg.yarn_beta_slow)}
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2 * len(inv_freq) dims of x in interleaved pairs (2i, 2i+1) by
+    angles positions * inv_freq[i], as V4 does.
+
+    x: [..., N, (H,) dim]; positions: [..., N] broadcastable to x without its head/feature
+    dims. `inverse` rotates by -position: V4 un-rotates the attention output, whose values
+    carry their keys' rotations, back to the query's frame.
+    """
+    half = inv_freq.shape[0]
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)   # [..., N, half]
     if inverse:
         angles = -angles
-    extra = x.dim() - angles.dim()  # head dims between N and features
-    for _ in range(extra):
+    for _ in range(x.dim() - angles.dim()):   # head dims between N and features
         angles = angles.unsqueeze(-2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x_pass, x_rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
-    x1, x2 = x_rot[..., :half], x_rot[..., half:]
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    x_pass, x_rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    x1, x2 = x_rot.unflatten(-1, (half, 2)).unbind(-1)
+    rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     return torch.cat([x_pass, rotated], dim=-1)
 
 
+# -- feed-forward --------------------------------------------------------------------------
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """w2 (silu(w1 x) * w3 x); limit > 0 clamps the gate from above and the up projection
+    to [-limit, limit] (V4's swiglu_limit)."""
+    gate, up = F.linear(x, w1), F.linear(x, w3)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, limit: float = 0.0):
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight, self.limit)
+
+
+_SCORE_FUNCS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+class Gate(nn.Module):
+    """MoE routing: per-expert scores, top-k experts per token, and their weights.
+
+    Scored layers pick the top-k of score + bias (the bias, DeepSeek's load-balancing
+    correction, moves the choice but not the weights); hash layers take the experts from a
+    fixed token-id table. Weights are the chosen scores, renormalised when norm_topk_prob,
+    times routed_scaling_factor.
+    """
+
+    def __init__(self, cfg: ModelConfig, hashed: bool):
+        super().__init__()
+        self.cfg, self.hashed = cfg, hashed
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.d_model))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, d]; input_ids: [T] -> (weights [T, k], expert indices [T, k])."""
+        cfg = self.cfg
+        scores = _SCORE_FUNCS[cfg.scoring_func](F.linear(x, self.weight))   # [T, E]
+        if self.hashed:
+            indices = self.tid2eid[input_ids]
+        else:
+            indices = (scores + self.bias).topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, indices
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked: w1, w3 [E, I, d], w2 [E, d, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, I, d = cfg.num_experts, cfg.moe_hidden, cfg.d_model
+        self.limit = cfg.swiglu_limit
+        self.w1 = nn.Parameter(torch.zeros(E, I, d))
+        self.w2 = nn.Parameter(torch.zeros(E, d, I))
+        self.w3 = nn.Parameter(torch.zeros(E, I, d))
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, d]; indices, weights: [T, k] -> sum of each token's k weighted experts [T, d].
+
+        One pass per expert that some token chose, over exactly those tokens.
+        """
+        out = torch.zeros_like(x)
+        for e in torch.unique(indices).tolist():
+            tok, slot = (indices == e).nonzero(as_tuple=True)
+            y = swiglu(x[tok], self.w1[e], self.w2[e], self.w3[e], self.limit)
+            out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, hashed: bool):
+        super().__init__()
+        self.gate = Gate(cfg, hashed)
+        self.experts = Experts(cfg)
+        self.shared_experts = SwiGLU(cfg.d_model, cfg.moe_hidden, cfg.swiglu_limit) if cfg.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x: [..., d]; input_ids: [...] (the hash layers route by them)."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices = self.gate(flat, input_ids.reshape(-1))
+        y = self.experts(flat, indices, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(x.shape)
+
+
+def feed_forward(cfg: ModelConfig, hashed: bool = False) -> nn.Module:
+    """The block's FFN: a dense SwiGLU, or MoE when the config has experts."""
+    if cfg.num_experts:
+        return MoE(cfg, hashed)
+    return SwiGLU(cfg.d_model, cfg.ffn_hidden, cfg.swiglu_limit)
+
+
+# -- hyper-connections ---------------------------------------------------------------------
+
+def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams: [..., n, d] -> fn applied to the RMS-normalised flattened streams [..., rows]."""
+    flat = streams.flatten(-2)
+    return F.linear(unit_rms(flat, eps), fn)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mHC site before a sub-block: streams [..., n, d] -> (sub-block input [..., d],
+    post [..., n], comb [..., n, n]).
+
+    pre and post are sigmoid gates; comb is projected towards a doubly-stochastic matrix by
+    Sinkhorn-Knopp (columns first, then rows and columns), so mixing keeps the streams' scale.
+    """
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    pre, post, comb = hc_mixes(streams, fn, cfg.norm_eps).split([n, n, n * n], dim=-1)
+    b_pre, b_post, b_comb = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre * scale[0] + b_pre) + eps
+    post = 2 * torch.sigmoid(post * scale[1] + b_post)
+    comb = torch.softmax(comb.unflatten(-1, (n, n)) * scale[2] + b_comb.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2), post, comb
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Sub-block output [..., d] back into the streams: stream k gets post[k] * out plus
+    sum_j comb[j, k] * streams[j]."""
+    return post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            cfg: ModelConfig) -> torch.Tensor:
+    """Collapse the streams [..., n, d] into one vector [..., d] before the final norm."""
+    pre = torch.sigmoid(hc_mixes(streams, fn, cfg.norm_eps) * scale + base) + cfg.hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2)

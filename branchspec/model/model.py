@@ -13,73 +13,122 @@ from torch import nn
 
 from branchspec.config import ModelConfig
 from branchspec.model.attention import Attention, LayerScratch, LayerState, empty_layer_state
-from branchspec.model.layers import RMSNorm, SwiGLU
+from branchspec.model.layers import RMSNorm, feed_forward, hc_head, hc_post, hc_pre, rope_tables
 from branchspec.model.metadata import ForwardMeta, chain_meta
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int):
-        super().__init__()
-        self.ratio = ratio
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, ratio)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+    """Attention then FFN, each pre-normed, around the residual.
 
-    def forward(self, h: torch.Tensor, meta: ForwardMeta, state: LayerState
+    With hyper-connections (hc_mult = n > 0) the residual is n streams [B, N, n, d]: an
+    mHC site before each sub-block collapses them into its input and writes its output
+    back (`layers.hc_pre` / `hc_post`). Without, it is one stream [B, N, d].
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, inv_freq: torch.Tensor, hashed: bool = False):
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, ratio, inv_freq)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = feed_forward(cfg, hashed)
+        if cfg.hc_mult:
+            n = cfg.hc_mult
+            rows = (2 + n) * n                       # pre (n), post (n), comb (n x n)
+            for site in ("attn", "ffn"):
+                self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(rows, n * cfg.d_model)))
+                self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(rows)))
+                self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def forward(self, h: torch.Tensor, meta: ForwardMeta, state: LayerState, input_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, LayerScratch]:
-        a, scratch = self.attn(self.attn_norm(h), meta, state)
-        h = h + a
-        return h + self.ffn(self.ffn_norm(h)), scratch
+        """h: [B, N, d] or streams [B, N, n, d]; input_ids: [B, N] (hash-routed experts)."""
+        if not self.cfg.hc_mult:
+            a, scratch = self.attn(self.attn_norm(h), meta, state)
+            h = h + a
+            return h + self.ffn(self.ffn_norm(h), input_ids), scratch
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
+        a, scratch = self.attn(self.attn_norm(x), meta, state)
+        h = hc_post(a, h, post, comb)
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
+        return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb), scratch
+
+
+def add_hc_head(module: nn.Module, cfg: ModelConfig) -> None:
+    """Give `module` (the target, or the MTP block) its own hc head parameters, which
+    collapse the residual streams before the final norm (with hyper-connections only)."""
+    if cfg.hc_mult:
+        n = cfg.hc_mult
+        module.hc_head_fn = nn.Parameter(torch.zeros(n, n * cfg.d_model))
+        module.hc_head_base = nn.Parameter(torch.zeros(n))
+        module.hc_head_scale = nn.Parameter(torch.ones(1))
+
+
+def collapse(module: nn.Module, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[B, N, d] or streams [B, N, n, d] -> [B, N, d] with `module`'s hc head."""
+    if not cfg.hc_mult:
+        return h
+    return hc_head(h, module.hc_head_fn, module.hc_head_base, module.hc_head_scale, cfg)
 
 
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor              # [B, N, V]
-    hidden: torch.Tensor              # [B, N, d] last block output, before the final norm
+    hidden: torch.Tensor              # [B, N, n*d] last block's residual (all streams), before any head
     scratch: list[LayerScratch]       # one per layer
 
 
-class MTP(nn.Module):
+class MTP(Block):
     """DeepSeek's multi-token-prediction block, used as the drafter.
 
-    At position p it combines the embedding of token x_p with a hidden state for p - 1 (the
-    target's, or its own output when chained) and predicts x_{p+1}. Window attention only.
+    At position p it combines the embedding of token x_p with a residual for p - 1 (the
+    target's, or its own when chained) and predicts x_{p+1}. A sliding-only block (main
+    RoPE) with its own hc head and final norm; embedding and LM head are the target's.
     """
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor):
+        super().__init__(cfg, 0, inv_freq)
         self.enorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.e_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.h_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.block = Block(cfg, 0)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        add_hc_head(self, cfg)
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.rope = rope_tables(cfg)                          # {"main", "compress"}: [rope_dim/2] float64
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, r) for r in cfg.compress_ratios)
+        self.layers = nn.ModuleList(
+            Block(cfg, r, self.rope["compress" if r else "main"], hashed=l < cfg.num_hash_layers)
+            for l, r in enumerate(cfg.compress_ratios))
+        add_hc_head(self, cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.num_mtp_layers))
+        self.mtp = nn.ModuleList(MTP(cfg, self.rope["main"]) for _ in range(cfg.num_mtp_layers))
+
+    def _streams(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedded tokens [B, N, d] -> the residual's starting value (copied into n streams)."""
+        n = self.cfg.hc_mult
+        return x.unsqueeze(2).expand(*x.shape[:2], n, x.shape[-1]).contiguous() if n else x
 
     # -- target -----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta,
                 states: list[LayerState] | None = None) -> ForwardOutput:
         """input_ids: [B, N] new nodes; states: committed state per layer (None = empty)."""
-        B = input_ids.shape[0]
+        B, N = input_ids.shape
         if states is None:
             states = self.empty_states(B)
-        h = self.embed(input_ids)
+        h = self._streams(self.embed(input_ids))
         scratch = []
         for layer, state in zip(self.layers, states):
-            h, s = layer(h, meta, state)
+            h, s = layer(h, meta, state, input_ids)
             scratch.append(s)
-        return ForwardOutput(logits=self.head(self.norm(h)), hidden=h, scratch=scratch)
+        logits = self.head(self.norm(collapse(self, h, self.cfg)))
+        return ForwardOutput(logits=logits, hidden=h.reshape(B, N, -1), scratch=scratch)
 
     def empty_states(self, batch: int) -> list[LayerState]:
         dtype, device = self.embed.weight.dtype, self.embed.weight.device
@@ -88,14 +137,20 @@ class Transformer(nn.Module):
     # -- drafter ----------------------------------------------------------------------
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                     state: LayerState | None = None) -> ForwardOutput:
-        """input_ids: [B, N] tokens x_p; prev_hidden: [B, N, d] hidden state for p - 1."""
-        mtp = self.mtp[0]
+        """input_ids: [B, N] tokens x_p; prev_hidden: [B, N, n*d] residual for p - 1."""
+        mtp, cfg = self.mtp[0], self.cfg
+        B, N = input_ids.shape
         if state is None:
-            state = empty_layer_state(self.cfg, 0, input_ids.shape[0], self.embed.weight.dtype,
-                                      self.embed.weight.device)
-        h = mtp.e_proj(mtp.enorm(self.embed(input_ids))) + mtp.h_proj(mtp.hnorm(prev_hidden))
-        h, s = mtp.block(h, meta, state)
-        return ForwardOutput(logits=self.head(mtp.norm(h)), hidden=h, scratch=[s])
+            state = empty_layer_state(cfg, 0, B, self.embed.weight.dtype, self.embed.weight.device)
+        e = mtp.e_proj(mtp.enorm(self.embed(input_ids)))                     # [B, N, d]
+        if cfg.hc_mult:   # every stream of the residual gets the same embedding term
+            prev = prev_hidden.view(B, N, cfg.hc_mult, cfg.d_model)
+            h = e.unsqueeze(2) + mtp.h_proj(mtp.hnorm(prev))               # [B, N, n, d]
+        else:
+            h = e + mtp.h_proj(mtp.hnorm(prev_hidden))
+        h, s = Block.forward(mtp, h, meta, state, input_ids)
+        logits = self.head(mtp.norm(collapse(mtp, h, cfg)))
+        return ForwardOutput(logits=logits, hidden=h.reshape(B, N, -1), scratch=[s])
 
     # -- training ---------------------------------------------------------------------
     def full_forward(self, input_ids: torch.Tensor, with_mtp: bool = False
