@@ -405,6 +405,13 @@ class SamplingParams:
     seed: None draws a fresh seed per request; an integer in [0, 2**64) makes the request
     reproducible whatever else runs in its batch. stop: strings that end the output, which
     is cut before the first one found (the stop string itself is not returned).
+
+    logprobs: None (the default) returns none; k >= 0 returns, for every generated token, a
+    {token_id: logprob} dict holding the chosen token and the k most likely ones (k or k + 1
+    entries). prompt_logprobs: the same for every prompt token after the first (position 0
+    gets None). Both are vLLM's default "raw" logprobs: log_softmax, in float64, of the
+    target model's logits, before temperature and top-p; under speculation they come from the
+    verify pass and equal plain decoding's. k may not exceed the model's vocabulary.
     """
 
     temperature: float = 0.0
@@ -413,6 +420,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         own = "SamplingParams"
@@ -444,6 +453,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"{own}.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(own, name, getattr(self, name), minimum=0))
 
     @property
     def greedy(self) -> bool:

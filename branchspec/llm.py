@@ -31,6 +31,11 @@ class RequestOutput:
     accept_length: float            # mean tokens per verify round (0.0 without speculation)
     num_rounds: int
     accepted_per_depth: list[int]   # rounds whose accepted path reached each draft depth
+    # vLLM's raw logprobs (log_softmax of the target's logits, float64, before temperature
+    # and top-p), None unless SamplingParams asked: one {token_id: logprob} per generated
+    # token (the chosen one and the top k), and per prompt token (None at position 0).
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -219,7 +224,9 @@ class LLM:
         return RequestOutput(request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids),
                              text=s.output_text or "", finish_reason=s.finish_reason.value,
                              accept_length=s.stats.accept_length, num_rounds=s.stats.num_rounds,
-                             accepted_per_depth=list(s.stats.accepted_per_depth))
+                             accepted_per_depth=list(s.stats.accepted_per_depth),
+                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                             prompt_logprobs=list(s.prompt_logprobs) if s.prompt_logprobs is not None else None)
 
     @staticmethod
     def _stats(engine: Engine, seqs: list[Sequence], elapsed: float, num_steps: int) -> GenerateStats:

@@ -14,7 +14,7 @@ from branchspec.cache.pool import OutOfPages
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig
 from branchspec.engine.request import FinishReason, Sequence
 from branchspec.engine.runner import ModelRunner
-from branchspec.engine.sampler import target_tokens
+from branchspec.engine.sampler import logprob_dicts, target_tokens
 from branchspec.engine.scheduler import Scheduler
 from branchspec.model.model import Transformer
 from branchspec.spec.drafter import MTPDrafter
@@ -68,6 +68,11 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        for param in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, param)
+            if k is not None and k > V:
+                raise ValueError(f"SamplingParams.{param}={k} for {name} exceeds the model's vocabulary of "
+                                 f"{V} tokens; use {param} <= {V}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_len:
             raise ValueError(f"{name} of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds "
@@ -99,13 +104,10 @@ class Engine:
         self._reserve_round(1 if spec is None else spec.num_draft_tokens)
         running = list(self.scheduler.running)
         self.num_steps += 1
-        if spec is None:
-            nxt = self.runner.decode_step(running)
-            emitted = [[t] for t in nxt]
-        else:
-            emitted = self.runner.spec_round(running, spec).emitted
-        for seq, toks in zip(running, emitted):
-            self._append(seq, toks)
+        result = self.runner.decode_step(running) if spec is None else self.runner.spec_round(running, spec)
+        logprobs = result.logprobs or [None] * len(running)
+        for seq, toks, lps in zip(running, result.emitted, logprobs):
+            self._append(seq, toks, lps)
             if seq.finished:
                 self._release(seq)
                 done.append(seq)
@@ -134,12 +136,19 @@ class Engine:
         if not admitted:
             return []
         logits = self.runner.prefill(admitted, with_mtp=spec is not None)
+        # Recomputed requests (preempted) already have their root: only new ones sample.
+        fresh = [(seq, lg) for seq, lg in zip(admitted, logits) if not seq.output_ids]
+        firsts = [int(target_tokens(lg[None, None], *self.runner.sampling([seq]))[0, 0]) for seq, lg in fresh]
+        want = [r for r, (seq, _) in enumerate(fresh) if seq.params.logprobs is not None]
+        first_lps = [None] * len(fresh)
+        if want:
+            dicts = logprob_dicts(torch.stack([fresh[r][1] for r in want]), [firsts[r] for r in want],
+                                  [fresh[r][0].params.logprobs for r in want])
+            for r, d in zip(want, dicts):
+                first_lps[r] = [d]
         done = []
-        for seq, lg in zip(admitted, logits):
-            if seq.output_ids:  # recomputed after preemption: its root is already there
-                continue
-            first = int(target_tokens(lg[None, None], *self.runner.sampling([seq]))[0, 0])
-            self._append(seq, [first])
+        for (seq, _), first, lps in zip(fresh, firsts, first_lps):
+            self._append(seq, [first], lps)
             if seq.finished:
                 self._release(seq)
                 done.append(seq)
@@ -164,9 +173,12 @@ class Engine:
                 self.cache.free(victim.seq_id)
                 victim.num_committed, victim.last_hidden = 0, None
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> None:
-        for t in tokens:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> None:
+        """Add emitted tokens (with their logprob dicts, when asked for) up to the first stop."""
+        for i, t in enumerate(tokens):
             seq.output_ids.append(t)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             if t in self.stop_token_ids and not seq.params.ignore_eos:
                 seq.finish_reason = FinishReason.STOP
                 return

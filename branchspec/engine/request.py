@@ -50,6 +50,15 @@ class Sequence:
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
     stats: RoundStats = field(default_factory=RoundStats)
     arrival: int = 0
+    # Only when asked for (params.logprobs / prompt_logprobs): one {token_id: logprob} per
+    # output token, kept in step with output_ids; and per prompt position (None at 0), set
+    # once by the first prefill (a recompute after preemption keeps them).
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def token_ids(self) -> list[int]:

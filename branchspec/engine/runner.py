@@ -16,7 +16,7 @@ import torch
 from branchspec.cache.paged import PagedState
 from branchspec.config import SpecConfig
 from branchspec.engine.request import Sequence
-from branchspec.engine.sampler import target_tokens
+from branchspec.engine.sampler import logprob_dicts, target_tokens
 from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.spec.accept import accept
@@ -45,6 +45,32 @@ class PhaseTimer:
 class RoundResult:
     emitted: list[list[int]]     # per sequence, the tokens this round adds to the output
     path_len: list[int]          # per sequence, accepted nodes incl. root (committed tokens)
+    # per sequence, one {token_id: logprob} per emitted token, or None where not asked for
+    logprobs: list[list[dict[int, float]] | None] | None = None
+
+
+def emitted_logprobs(seqs: list[Sequence], logits: torch.Tensor, nodes: torch.Tensor,
+                     emitted: list[list[int]]) -> list[list[dict[int, float]] | None] | None:
+    """Raw logprobs of the emitted tokens of the requests that asked for them.
+
+    logits: [B, N, V] target logits at every node; nodes: [B, >= max emitted] the node whose
+    output distribution produced each emitted token (emitted token i of a speculative round
+    comes from accepted-path node i: an accepted child from its parent, the bonus token from
+    the last path node). None, with no work done, when no request asked.
+    """
+    want = [b for b, s in enumerate(seqs) if s.params.logprobs is not None and emitted[b]]
+    if not want:
+        return None
+    rows_b = torch.tensor([b for b in want for _ in emitted[b]], dtype=torch.long, device=logits.device)
+    rows_n = torch.cat([nodes[b, :len(emitted[b])] for b in want]).to(logits.device)
+    dicts = logprob_dicts(logits[rows_b, rows_n], [t for b in want for t in emitted[b]],
+                          [seqs[b].params.logprobs for b in want for _ in emitted[b]])
+    out: list[list[dict[int, float]] | None] = [None] * len(seqs)
+    start = 0
+    for b in want:
+        out[b] = dicts[start:start + len(emitted[b])]
+        start += len(emitted[b])
+    return out
 
 
 class ModelRunner:
@@ -74,10 +100,16 @@ class ModelRunner:
         A new request has no root yet: all prompt tokens are fed and its returned logits
         [V] at the last one choose the first output token. A recomputed (preempted) request
         feeds everything but its root. Pages must have been reserved.
+
+        A request that asked for prompt_logprobs and has none yet gets them here, chunk by
+        chunk, from the logits at every prompt position (the others' are never touched); a
+        recomputed request already has them.
         """
         t0 = time.perf_counter()
         ends = [len(s.token_ids) - (1 if s.output_ids else 0) for s in seqs]
         logits: list[torch.Tensor | None] = [None] * len(seqs)
+        prompt_lps = {i: [None] for i, s in enumerate(seqs)
+                      if s.params.prompt_logprobs is not None and s.prompt_logprobs is None}
         while active := [i for i, s in enumerate(seqs) if s.num_committed < ends[i]]:
             group = [seqs[i] for i in active]
             ids = [s.seq_id for s in group]
@@ -99,17 +131,47 @@ class ModelRunner:
                 mtp_meta = chain_meta(L, num_new, (), max_new=N)
                 mtp = self.model.mtp_forward(tokens, prev, mtp_meta, self.cache.gather_mtp(ids, L))
                 self.cache.commit_mtp(ids, mtp_meta, mtp.scratch[0], mtp_meta.valid)
+            if prompt_lps:
+                self._collect_prompt_logprobs(seqs, active, counts, out.logits, prompt_lps)
             for j, (i, n) in enumerate(zip(active, counts)):
                 seqs[i].last_hidden = out.hidden[j, n - 1]
                 seqs[i].num_committed += n
                 logits[i] = out.logits[j, n - 1]
+        for i, lps in prompt_lps.items():
+            seqs[i].prompt_logprobs = lps
         self.timer.record("prefill", t0)
         return logits
 
+    @staticmethod
+    def _collect_prompt_logprobs(seqs: list[Sequence], active: list[int], counts: list[int],
+                                 logits: torch.Tensor, prompt_lps: dict[int, list]) -> None:
+        """Extend prompt_lps[i] with this chunk's prompt positions: logits [B, N, V] at
+        position p (of seqs[active[j]], before num_committed moves) score prompt token p + 1."""
+        rows, targets, num_top, owners = [], [], [], []
+        for j, (i, n) in enumerate(zip(active, counts)):
+            if i not in prompt_lps:
+                continue
+            s = seqs[i]
+            c = s.num_committed
+            m = min(n, len(s.prompt_ids) - 1 - c)   # the last prompt position scores an output token
+            if m <= 0:
+                continue
+            rows.append(logits[j, :m])
+            targets.extend(s.prompt_ids[c + 1:c + 1 + m])
+            num_top.extend([s.params.prompt_logprobs] * m)
+            owners.append((i, m))
+        if not rows:
+            return
+        dicts = logprob_dicts(torch.cat(rows), targets, num_top)
+        start = 0
+        for i, m in owners:
+            prompt_lps[i].extend(dicts[start:start + m])
+            start += m
+
     # -- plain decoding ---------------------------------------------------------------
     @torch.no_grad()
-    def decode_step(self, seqs: list[Sequence]) -> list[int]:
-        """Feed each root through the target; return the next token of each sequence."""
+    def decode_step(self, seqs: list[Sequence]) -> RoundResult:
+        """Feed each root through the target; emit the next token of each sequence."""
         t0 = time.perf_counter()
         ids = [s.seq_id for s in seqs]
         L = self._lengths(seqs)
@@ -122,8 +184,10 @@ class ModelRunner:
         nxt = target_tokens(out.logits, *self.sampling(seqs))[:, 0].tolist()
         for s in seqs:
             s.num_committed += 1
+        emitted = [[t] for t in nxt]
+        logprobs = emitted_logprobs(seqs, out.logits, torch.zeros(len(seqs), 1, dtype=torch.long), emitted)
         self.timer.record("accept", t0)
-        return nxt
+        return RoundResult(emitted=emitted, path_len=[1] * len(seqs), logprobs=logprobs)
 
     # -- speculative round ------------------------------------------------------------
     @torch.no_grad()
@@ -162,6 +226,8 @@ class ModelRunner:
                 depth_hits.append(0)
             for d in range(n - 1):
                 depth_hits[d] += 1
+        # Emitted token i comes from path node i's distribution (same as plain decoding's).
+        logprobs = emitted_logprobs(seqs, out.logits, acc.path, emitted)
         t0 = self.timer.record("accept", t0)
 
         self.cache.commit(ids, plan.meta, out.scratch, acc.keep)
@@ -181,4 +247,4 @@ class ModelRunner:
             s.num_committed += path_len[b]
             s.last_hidden = last[b]
         self.timer.record("draft_extend", t0)
-        return RoundResult(emitted=emitted, path_len=path_len)
+        return RoundResult(emitted=emitted, path_len=path_len, logprobs=logprobs)

@@ -33,3 +33,29 @@ def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
         for row, b in enumerate(sampled):
             out[b] = torch.multinomial(probs[row], 1, generator=generators[b]).squeeze(-1)
     return out
+
+
+def logprob_dicts(logits: torch.Tensor, chosen: list[int], num_top: list[int]) -> list[dict[int, float]]:
+    """vLLM's raw logprobs of M rows: logits [M, V] (the target's, at the node that produced
+    each token), chosen [M] the token taken at each row, num_top [M] the k asked for.
+
+    Returns one {token_id: logprob} per row: the chosen token first, then the row's top k in
+    rank order (k or k + 1 entries). log_softmax in float64, before temperature and top-p.
+    One log_softmax and one topk over all rows; Python only builds the dicts.
+    """
+    if not chosen:
+        return []
+    lp = torch.log_softmax(logits.double(), dim=-1)                               # [M, V]
+    idx = torch.tensor(chosen, dtype=torch.long, device=lp.device)
+    chosen_lp = lp.gather(-1, idx[:, None])[:, 0].tolist()
+    k_max = max(num_top)
+    if k_max:
+        top_lp, top_ids = (x.tolist() for x in lp.topk(k_max, dim=-1))          # [M, k_max]
+    else:
+        top_lp = top_ids = [[]] * len(chosen)
+    out = []
+    for r, (t, k) in enumerate(zip(chosen, num_top)):
+        d = {t: chosen_lp[r]}
+        d.update(zip(top_ids[r][:k], top_lp[r][:k]))
+        out.append(d)
+    return out
