@@ -13,16 +13,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 # replace the downloader instead.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from branchspec.config import tiny_config  # noqa: E402
+from branchspec.config import tiny_config, tiny_v4_config  # noqa: E402
 from branchspec.model.weights import random_model, save_checkpoint  # noqa: E402
 from branchspec.train.losses import train_steps  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny64():
+# The two model families every equivalence test runs on: the plain model (one residual
+# stream, dense FFN, one RoPE) and the real V4 architecture (YaRN on compressed layers,
+# grouped output, 2 hyper-connection streams, MoE with a hash layer). Eight indexer heads
+# keep exact ReLU ties in the index scores out of the way.
+ARCHS = {"plain": lambda: tiny_config(), "v4": lambda: tiny_v4_config(index_num_heads=8)}
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHS))
+def tiny64(request):
     """A random float64 tiny model with weights large enough for peaked, tie-free scores."""
     torch.set_grad_enabled(True)
-    return random_model(tiny_config(), seed=3, dtype="float64", std=0.3)
+    return random_model(ARCHS[request.param](), seed=3, dtype="float64", std=0.3)
 
 
 def mbpp_rows(task_ids=range(1, 975)) -> list[dict]:
@@ -59,11 +66,11 @@ def markov_batches(vocab: int, num: int, batch: int = 8, length: int = 160, seed
         yield x
 
 
-@pytest.fixture(scope="session")
-def trained_ckpt(tmp_path_factory):
+@pytest.fixture(scope="session", params=sorted(ARCHS))
+def trained_ckpt(request, tmp_path_factory):
     """A tiny model trained for a few seconds on a Markov chain, saved as a checkpoint
     folder (float64), so that drafts are accepted often enough to exercise every path."""
-    cfg = tiny_config()
+    cfg = ARCHS[request.param]()
     model = random_model(cfg, seed=0, std=0.1)
     train_steps(model, markov_batches(cfg.vocab_size, 60), lr=1e-2)
     folder = tmp_path_factory.mktemp("trained")

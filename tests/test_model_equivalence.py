@@ -25,6 +25,8 @@ def full_logits(tiny64):
 
 
 def test_full_forward_matches_naive_oracle(tiny64):
+    if tiny64.cfg.hc_mult or tiny64.cfg.num_experts or tiny64.cfg.o_groups:
+        pytest.skip("the oracle covers the plain model; the real architecture is checked against transformers")
     ids = _ids(140, seed=5)
     with torch.no_grad():
         fast, _ = tiny64.full_forward(torch.tensor([ids]))
