@@ -1,4 +1,4 @@
-"""`branchspec` command line: generate, bench, train. Flag names follow SGLang."""
+"""`branchspec` command line: generate, bench, train, convert. Flag names follow SGLang."""
 
 from __future__ import annotations
 
@@ -126,12 +126,32 @@ def _add_bench(sub):
     p.set_defaults(func=main, parser=p)
 
 
+def _add_convert(sub):
+    p = sub.add_parser("convert", help="write a Hugging Face or DeepSeek checkpoint as a branchspec folder")
+    p.add_argument("src", help="checkpoint folder: branchspec, Hugging Face deepseek_v4 or DeepSeek original")
+    p.add_argument("out", help="new folder to write (must not exist, or be empty)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="dtype of the written floating-point weights (default float32)")
+    p.set_defaults(func=_convert, parser=p)
+
+
+def _convert(args) -> int:
+    from branchspec.model.formats import convert_checkpoint
+    from branchspec.model.weights import checkpoint_metadata
+
+    out = convert_checkpoint(args.src, args.out, dtype=args.dtype)
+    fmt = checkpoint_metadata(out).get("converted_from", "?")
+    print(f"converted {args.src} ({fmt} format) to the branchspec checkpoint {out} ({args.dtype})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="branchspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
     _add_train(sub)
+    _add_convert(sub)
     return parser
 
 

@@ -10,6 +10,10 @@ The special tokens (``chat.SPECIAL_TOKENS``) take ids 0-6 in a freshly trained t
 A checkpoint directory holds ``tokenizer.json`` (the HF ``tokenizers`` file) and
 ``tokenizer_config.json`` (HF's name for it) with the special tokens and the chat
 template (key ``chat_template``; see ``chat.py`` for its format).
+
+A foreign checkpoint's tokenizer (e.g. a Hugging Face one, without these special tokens)
+loads as a ``ForeignTokenizer``: bos/eos from its ``tokenizer_config.json`` or the model's
+``config.json``, and no chat template unless a branchspec-format one is present.
 """
 
 from __future__ import annotations
@@ -198,6 +202,10 @@ class Tokenizer:
         """Load what ``save`` wrote. Without ``tokenizer_config.json`` the default chat
         template is used; a template in another format (e.g. jinja) is a ValueError.
 
+        A foreign tokenizer (one without branchspec's special tokens whose
+        ``tokenizer_config.json`` names other bos/eos tokens, or that sits beside a Hugging
+        Face or DeepSeek ``config.json``) loads as a ``ForeignTokenizer``.
+
         No ``tokenizer.json`` is a FileNotFoundError. Either file corrupt, truncated or of
         the wrong shape is a ValueError naming it (``tokenizers`` itself raises a bare
         Exception, which callers cannot catch selectively).
@@ -213,8 +221,10 @@ class Tokenizer:
             raise ValueError(f"{tokenizer_path} is not a tokenizers file: {e}") from e
         template = CHAT_TEMPLATE
         config_path = path / CONFIG_FILE
-        if config_path.is_file():
-            _, config = _read_json_object(config_path)
+        config = _read_json_object(config_path)[1] if config_path.is_file() else None
+        if _is_foreign(backend, config, path):
+            return ForeignTokenizer.from_parts(backend, config, path)
+        if config is not None:
             template_format = config.get("chat_template_format")
             if "chat_template" in config and template_format != CHAT_TEMPLATE_FORMAT:
                 raise ValueError(
@@ -236,6 +246,188 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _model_config(path: Path) -> dict:
+    """``config.json`` beside the tokenizer, if it is a readable JSON object, else {}."""
+    try:
+        obj = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _is_foreign(backend: _HFTokenizer, config: dict | None, path: Path) -> bool:
+    """A tokenizer without branchspec's special tokens that declares (or, by its model's
+    config.json, belongs to) another model family. A branchspec tokenizer_config.json over
+    a broken tokenizer.json still gets the "lacks the special token" error."""
+    if all(backend.token_to_id(t) is not None for t in SPECIAL_TOKENS):
+        return False
+    if config is not None:
+        named = {_token_content(config.get(k)) for k in ("bos_token", "eos_token")} - {None}
+        if named:
+            return not named & {BOS, EOS}
+        if config.get("chat_template_format") == CHAT_TEMPLATE_FORMAT:
+            return False
+    model = _model_config(path)
+    return "architecture" not in model and (model.get("model_type") is not None
+                                            or ("dim" in model and "n_layers" in model))
+
+
+def _ids(value) -> list[int]:
+    """Integer token ids from a config value: an int or a list of ints (others ignored)."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+class ForeignTokenizer(Tokenizer):
+    """A tokenizer from another model family (e.g. a Hugging Face checkpoint's
+    ``tokenizer.json``), which lacks branchspec's special tokens.
+
+    It encodes and decodes with the ``tokenizers`` file. bos/eos/pad come from
+    ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``pad_token``: strings or
+    ``{"content": ...}`` objects), else from the model's ``config.json`` ids; pad falls
+    back to eos. ``stop_ids`` holds eos and every other eos id the model's
+    ``config.json`` or ``generation_config.json`` lists. There is no chat template unless
+    ``tokenizer_config.json`` holds a branchspec-format one; a jinja template is never
+    rendered, and ``apply_chat_template`` / ``encode_chat`` raise ValueError.
+    """
+
+    def __init__(self, backend: _HFTokenizer, *, bos_id: int | None, eos_id: int, pad_id: int | None = None,
+                 stop_ids: Iterable[int] = (), chat_template: str | None = None,
+                 config: dict | None = None, source: str | os.PathLike[str] = "tokenizer"):
+        self._backend = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.source = str(source)
+        for name, tid in (("bos", bos_id), ("eos", eos_id), ("pad", pad_id)):
+            if tid is not None and not 0 <= tid < self.vocab_size:
+                raise ValueError(f"{self.source}: the {name} token id {tid} is outside the tokenizer's "
+                                 f"vocabulary [0, {self.vocab_size})")
+        if chat_template is not None:
+            check_template(chat_template)
+        self.chat_template = chat_template
+        self._bos_id, self._eos_id = bos_id, eos_id
+        self._pad_id = pad_id if pad_id is not None else eos_id
+        self._stop_ids = tuple(dict.fromkeys([eos_id, *(s for s in stop_ids if 0 <= s < self.vocab_size)]))
+        self._config = dict(config) if config else {}
+        self.special_ids = {backend.id_to_token(i): i for i in (bos_id, eos_id, self._pad_id) if i is not None}
+
+    @classmethod
+    def from_parts(cls, backend: _HFTokenizer, config: dict | None, path: Path) -> "ForeignTokenizer":
+        """Build from the loaded backend, the tokenizer_config.json dict (or None) and the
+        folder (for config.json and generation_config.json)."""
+        config = config or {}
+        config_path = path / CONFIG_FILE
+        model = _model_config(path)
+        generation = {}
+        try:
+            obj = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
+            generation = obj if isinstance(obj, dict) else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass
+
+        def token_id(key: str) -> int | None:
+            token = _token_content(config.get(key))
+            if token is None:
+                return None
+            tid = backend.token_to_id(token)
+            if tid is None:
+                raise ValueError(f"{config_path}: {key} {token!r} is not in {path / TOKENIZER_FILE}")
+            return tid
+
+        model_eos = _ids(model.get("eos_token_id"))
+        generation_eos = _ids(generation.get("eos_token_id"))
+        bos = token_id("bos_token")
+        if bos is None and _ids(model.get("bos_token_id")):
+            bos = _ids(model.get("bos_token_id"))[0]
+        eos = token_id("eos_token")
+        if eos is None:
+            candidates = model_eos or generation_eos
+            if not candidates:
+                raise ValueError(f"{path}: no eos token: {CONFIG_FILE} names no eos_token and config.json "
+                                 "has no eos_token_id")
+            eos = candidates[0]
+        pad = token_id("pad_token")
+        if pad is None and _ids(model.get("pad_token_id")):
+            pad = _ids(model.get("pad_token_id"))[0]
+        template = None
+        if config.get("chat_template_format") == CHAT_TEMPLATE_FORMAT and isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+            try:
+                check_template(template)
+            except ValueError as e:
+                raise ValueError(f"{config_path}: {e}") from e
+        return cls(backend, bos_id=bos, eos_id=eos, pad_id=pad, stop_ids=[*model_eos, *generation_eos],
+                   chat_template=template, config=config, source=path / TOKENIZER_FILE)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def end_id(self) -> None:
+        """No chat turn-end token: a foreign tokenizer has no branchspec chat template."""
+        return None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    def encode(self, text: str, add_bos: bool = False, *, parse_special: bool = True) -> list[int]:
+        ids = super().encode(text, add_bos=False, parse_special=parse_special)
+        return [self._bos_id, *ids] if add_bos and self._bos_id is not None else ids
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        return [self.encode(t, add_bos=add_bos) for t in texts]
+
+    def _no_template(self) -> ValueError:
+        jinja = " (its tokenizer_config.json holds a jinja template, which branchspec does not render)" \
+            if self._config.get("chat_template") is not None else ""
+        return ValueError(f"{self.source} has no branchspec chat template{jinja}; render the chat "
+                          "yourself and pass the text (or token ids) to generate()")
+
+    def apply_chat_template(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise self._no_template()
+        return super().apply_chat_template(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True,
+                    add_bos: bool = True) -> list[int]:
+        if self.chat_template is None:
+            raise self._no_template()
+        return super().encode_chat(messages, add_generation_prompt, add_bos)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json`` and the foreign ``tokenizer_config.json`` (bos/eos/pad
+        tokens filled in where they came from the model config)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / TOKENIZER_FILE))
+        config = dict(self._config)
+        for key, tid in (("bos_token", self._bos_id), ("eos_token", self._eos_id), ("pad_token", self._pad_id)):
+            if _token_content(config.get(key)) is None and tid is not None:
+                config[key] = self._backend.id_to_token(tid)
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    def __repr__(self) -> str:
+        return f"ForeignTokenizer(vocab_size={self.vocab_size}, bos={self._bos_id}, eos={self._eos_id})"
 
 
 def train_tokenizer(

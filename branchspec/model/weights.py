@@ -1,4 +1,8 @@
-"""Checkpoints as Hugging Face-style folders: config.json + model.safetensors (+ tokenizer)."""
+"""Checkpoints as Hugging Face-style folders: config.json + model.safetensors (+ tokenizer).
+
+Other formats (Hugging Face ``deepseek_v4``, DeepSeek's original) are mapped on load by
+``formats.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,13 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from branchspec.config import ModelConfig
+from branchspec.model.formats import CheckpointError, open_checkpoint  # noqa: F401 - CheckpointError re-exported
 from branchspec.model.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config; the message names the tensor."""
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -80,54 +80,27 @@ def save_checkpoint(model: Transformer, folder: str | Path, dtype: str | torch.d
 
 
 def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") -> Transformer:
-    """Load a folder; every missing, unexpected, mis-shaped, non-float or non-finite tensor
-    is named in the error (CheckpointError), and a bad config.json field in a ConfigError.
+    """Load a checkpoint folder: branchspec's own, a Hugging Face ``deepseek_v4`` one or
+    DeepSeek's original one (see ``formats.py``; FP8 weights are dequantised).
 
-    Everything is checked before a weight is copied into the model; the dtype argument
-    before anything is read.
+    Every missing, unexpected, mis-shaped, wrong-kind (float vs integer) or non-finite
+    tensor is named in the error (CheckpointError), and a bad config.json field in a
+    ConfigError. Everything is checked before a weight is copied into the model; the dtype
+    argument before anything is read. Floating tensors are cast to ``dtype``; integer
+    buffers (the hash-routing table) stay integer.
     """
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a str or path, got {type(folder).__name__} {folder!r}")
     target = resolve_dtype(dtype)
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    cfg = ModelConfig.load(folder)
-    weights_path = folder / "model.safetensors"
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"no model.safetensors in {folder}")
-    if weights_path.stat().st_size == 0:
-        raise CheckpointError(f"{weights_path} is empty (0 bytes)")
+    ckpt = open_checkpoint(Path(folder))
     try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{weights_path} is not a readable safetensors file: {e}") from e
-    model = Transformer(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    bad_shape = sorted(f"{k}: expected {tuple(expected[k])}, found {tuple(tensors[k].shape)}"
-                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k])
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if extra:
-        problems.append(f"unexpected tensors {extra}")
-    if bad_shape:
-        problems.append(f"mis-shaped tensors {bad_shape}")
-    if problems:
-        raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems))
-    # load_state_dict would silently cast an integer or bool tensor to the float a weight needs.
-    floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
-    not_float = sorted(f"{k} ({v.dtype})" for k, v in tensors.items()
-                       if k in floating and not v.is_floating_point())
-    if not_float:
-        raise CheckpointError(f"{weights_path}: tensors must be floating point, found {not_float}")
-    for k, v in tensors.items():
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            raise CheckpointError(f"checkpoint {folder}: tensor {k} contains NaN or Inf")
+        model = Transformer(ckpt.config)
+        expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+        tensors = ckpt.tensors(expected, dtype=target)
+    finally:
+        ckpt.close()
     model = model.to(target)
-    model.load_state_dict({k: v.to(target) for k, v in tensors.items()})
+    model.load_state_dict(tensors)
     return model.eval()
 
 
