@@ -16,6 +16,7 @@ from branchspec.config import MAX_SEED, EngineConfig, SamplingParams, SpecConfig
 from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
+from branchspec.model.formats import checkpoint_stop_ids
 from branchspec.model.weights import load_checkpoint
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini"
@@ -101,10 +102,14 @@ class LLM:
         return self.model.cfg
 
     def _build_engine(self) -> Engine:
+        # Stop on every end-of-sequence id the checkpoint declares (an HF eos list), and on
+        # the tokenizer's own (e.g. the chat turn-end token).
+        stop_ids = set(checkpoint_stop_ids(self.path))
         if self.tokenizer is None:
-            return Engine(self.model, self.engine_config, seed=self.seed)
+            return Engine(self.model, self.engine_config, seed=self.seed, stop_token_ids=tuple(sorted(stop_ids)))
+        stop_ids.update(self.tokenizer.stop_ids)
         return Engine(self.model, self.engine_config, decode=self.tokenizer.decode, seed=self.seed,
-                      stop_token_ids=tuple(self.tokenizer.stop_ids))
+                      stop_token_ids=tuple(sorted(stop_ids)))
 
     # -- input ------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:
