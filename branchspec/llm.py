@@ -108,8 +108,14 @@ class LLM:
         if self.tokenizer is None:
             return Engine(self.model, self.engine_config, seed=self.seed, stop_token_ids=tuple(sorted(stop_ids)))
         stop_ids.update(self.tokenizer.stop_ids)
-        return Engine(self.model, self.engine_config, decode=self.tokenizer.decode, seed=self.seed,
+        return Engine(self.model, self.engine_config, decode=self._decode_output, seed=self.seed,
                       stop_token_ids=tuple(sorted(stop_ids)))
+
+    def _decode_output(self, ids: list[int]) -> str:
+        """Text of generated ids. A model's vocabulary may be padded past its tokenizer's
+        (real V4 checkpoints are); ids in the padding have no text and are skipped."""
+        known = self.tokenizer.vocab_size
+        return self.tokenizer.decode([i for i in ids if i < known])
 
     # -- input ------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:

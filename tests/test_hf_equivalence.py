@@ -237,3 +237,25 @@ def test_every_eos_of_an_hf_eos_list_stops(hf_model, tmp_path):
         hf_model.config.eos_token_id = 1
     llm = LLM(tmp_path, dtype="float64", max_batch_size=1, max_model_len=64)
     assert {1, 5} <= llm.engine.stop_token_ids
+
+
+def test_hf_tokenizer_smaller_than_the_padded_vocabulary(hf_model, tmp_path):
+    """Real V4 checkpoints pad the embedding past the tokenizer; generated ids in the
+    padding have no text and must not break decoding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf_model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=V, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=[]))
+    assert tok.get_vocab_size() < V
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    llm = LLM(tmp_path, dtype="float64", max_batch_size=1, max_model_len=64)
+    out = llm.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert len(out.token_ids) == 12
+    assert out.text == llm.tokenizer.decode([i for i in out.token_ids if i < tok.get_vocab_size()])
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])

@@ -55,7 +55,7 @@ class Engine:
             raise TypeError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
         if self.runner.drafter is None:
             raise ValueError("speculative decoding needs a drafter, and this checkpoint has no MTP "
-                             "block (num_mtp_layers=0); pass spec=None to decode plainly")
+                             "block (num_mtp_layers=0); decode plainly (spec=None, or --speculative-algorithm NONE)")
         spec.check_model(self.cfg.vocab_size)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
