@@ -259,3 +259,38 @@ def test_hf_tokenizer_smaller_than_the_padded_vocabulary(hf_model, tmp_path):
     assert out.text == llm.tokenizer.decode([i for i in out.token_ids if i < tok.get_vocab_size()])
     with pytest.raises(ValueError, match="chat template"):
         llm.chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("scoring_func", ["sigmoid"])
+def test_other_router_scores(scoring_func, tmp_path):
+    """The default config routes by sqrtsoftplus; sigmoid too. (transformers 5.23.0 cannot
+    build a softmax-scored V4: its activation table has no "softmax"; see
+    test_softmax_gate_follows_its_definition.)"""
+    hf = random_hf_model(hf_config(scoring_func=scoring_func), seed=5)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(tmp_path, dtype="float64", max_batch_size=1, max_model_len=512)
+    assert llm.model.cfg.scoring_func == scoring_func
+    ids = ids_of(200, seed=6)
+    with torch.no_grad():
+        ours = llm.model.full_forward(torch.tensor([ids]))[0].logits[0]
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-5, rtol=0)
+
+
+def test_softmax_gate_follows_its_definition():
+    """DeepSeek's softmax scoring: softmax over experts, top-k of score + bias, weights the
+    chosen scores (not renormalised when norm_topk_prob is off, as DeepSeek's gate does)."""
+    from branchspec.config import tiny_v4_config
+    from branchspec.model.layers import Gate
+
+    cfg = tiny_v4_config(scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=2.0)
+    gate = Gate(cfg, hashed=False).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g, dtype=torch.float64))
+        gate.bias.copy_(torch.randn(gate.bias.shape, generator=g, dtype=torch.float64))
+    x = torch.randn(7, cfg.d_model, generator=g, dtype=torch.float64)
+    weights, indices = gate(x, torch.zeros(7, dtype=torch.long))
+    scores = torch.softmax(x @ gate.weight.T, dim=-1)
+    expected = (scores + gate.bias).topk(cfg.num_experts_per_tok, dim=-1).indices
+    assert torch.equal(indices, expected)
+    torch.testing.assert_close(weights, 2.0 * scores.gather(1, expected), atol=1e-15, rtol=0)
