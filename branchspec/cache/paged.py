@@ -90,6 +90,10 @@ class PagedState:
             self.storage[name] = torch.zeros(len(spec.layers), n * page_size, spec.width,
                                              dtype=dtype, device=self.device)
         self.tables: dict[int, dict[str, list[int]]] = {}
+        # Padded block-table tensors per (kind, batch), rebuilt only after an allocation
+        # changed some table: most steps allocate nothing, and building them from Python
+        # lists row by row was a large share of a batch-64 step.
+        self._table_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         # model layer -> (kind, index within kind's storage), per kind family
         self._layer_slot = {(name, l): i for name, s in self.specs.items() for i, l in enumerate(s.layers)}
 
@@ -100,6 +104,7 @@ class PagedState:
             raise ValueError(f"sequence {seq_id} is already in the cache")
         need = {n: k for n, k in self.pages_needed(0).items() if self.specs[n].ring is not None}
         self._check_free(need)
+        self._table_cache.clear()
         self.tables[seq_id] = {n: self.pools[n].allocate(need[n]) if n in need else []
                                for n in self.specs}
 
@@ -110,6 +115,8 @@ class PagedState:
         table = self.tables[seq_id]
         need = {n: k - len(table[n]) for n, k in self.pages_needed(length).items() if k > len(table[n])}
         self._check_free(need)
+        if need:
+            self._table_cache.clear()
         for n, k in need.items():
             table[n].extend(self.pools[n].allocate(k))
 
@@ -129,6 +136,7 @@ class PagedState:
         return all(k <= self.pools[n].num_pages for n, k in self.pages_needed(length).items())
 
     def free(self, seq_id: int) -> None:
+        self._table_cache.clear()
         for n, pages in self.tables.pop(seq_id).items():
             self.pools[n].free(pages)
 
@@ -137,7 +145,14 @@ class PagedState:
 
     # -- addressing -----------------------------------------------------------------------
     def _table(self, kind: str, seq_ids: list[int]) -> torch.Tensor:
-        """Padded block tables [B, max_pages] for one kind."""
+        """Padded block tables [B, max_pages] for one kind (memoised until the next allocation)."""
+        key = (kind, tuple(seq_ids))
+        if (hit := self._table_cache.get(key)) is not None:
+            return hit
+        self._table_cache[key] = table = self._build_table(kind, seq_ids)
+        return table
+
+    def _build_table(self, kind: str, seq_ids: list[int]) -> torch.Tensor:
         rows = [self.tables[s][kind] for s in seq_ids]
         width = max(1, max(len(r) for r in rows))
         t = torch.zeros(len(rows), width, dtype=torch.long)

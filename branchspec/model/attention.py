@@ -14,8 +14,19 @@ import torch
 from torch import nn
 
 from branchspec.config import ModelConfig
-from branchspec.model.layers import RMSNorm, rope, unit_rms
+from branchspec.model.layers import RMSNorm, apply_rope, rope_cos_sin, unit_rms
 from branchspec.model.metadata import ForwardMeta, PoolPlan, buffer_rows
+
+
+def cached_rope(meta: ForwardMeta, key: tuple, positions: torch.Tensor, inv_freq: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for `positions` under one RoPE table, computed once per forward (`key` names
+    the table and the positions, e.g. ("compress", "nodes") or ("compress", 4))."""
+    key = (*key, dtype)
+    hit = meta.rope_cache.get(key)
+    if hit is None:
+        hit = meta.rope_cache[key] = rope_cos_sin(positions, inv_freq, dtype)
+    return hit
 
 
 @dataclass
@@ -77,7 +88,7 @@ class Compressor(nn.Module):
         self.ratio, self.dim = ratio, dim
         self.overlap = ratio == 4
         width = (2 if self.overlap else 1) * dim
-        self.inv_freq = inv_freq                                    # [rope_dim / 2] float64
+        self.inv_freq = inv_freq                                    # [rope_dim / 2] float64, compressed layers' table
         self.wkv = nn.Linear(d_model, width, bias=False)
         self.wgate = nn.Linear(d_model, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width))
@@ -89,7 +100,7 @@ class Compressor(nn.Module):
         g = self.wgate(x) + self.ape[positions % self.ratio]
         return torch.cat([a, g], dim=-1)
 
-    def pool(self, rows_all: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+    def pool(self, rows_all: torch.Tensor, plan: PoolPlan, meta: ForwardMeta) -> torch.Tensor:
         """rows_all: [B, S + N, 2*width] (committed buffer then new rows) -> entries [B, K, dim]."""
         B, K, span = plan.row_src.shape
         w = rows_all.shape[-1]
@@ -104,7 +115,9 @@ class Compressor(nn.Module):
         a = a.masked_fill(pad, 0.0)
         g = g.masked_fill(pad, float("-inf"))
         pooled = (torch.softmax(g, dim=2) * a).sum(dim=2)         # [B, K, dim]
-        return rope(self.norm(pooled), plan.entry_pos, self.inv_freq)
+        entries = self.norm(pooled)
+        cs = cached_rope(meta, ("compress", self.ratio), plan.entry_pos, self.inv_freq, entries.dtype)
+        return apply_rope(entries, *cs)
 
 
 class Indexer(nn.Module):
@@ -119,7 +132,7 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.d_model, 4, self.head_dim, cfg, inv_freq)
         self.scale = (self.num_heads * self.head_dim) ** -0.5
 
-    def select(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor,
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, meta: ForwardMeta,
                index_keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """x: [B, N, d]; c_q: [B, N, q_lora]; index_keys: [B, T, d_I]; visible: [B, N, T] bool.
 
@@ -130,7 +143,7 @@ class Indexer(nn.Module):
         if T == 0:
             return visible
         q = self.wq_b(c_q).view(B, N, self.num_heads, self.head_dim)
-        q = rope(q, positions, self.inv_freq)
+        q = apply_rope(q, *cached_rope(meta, ("compress", "nodes"), meta.positions, self.inv_freq, q.dtype))
         w = self.weights_proj(x) * self.scale                      # [B, N, H_I]
         dots = torch.einsum("bnhd,btd->bnht", q, index_keys).relu()
         score = torch.einsum("bnh,bnht->bnt", w, dots)             # [B, N, T]
@@ -152,6 +165,7 @@ class Attention(nn.Module):
         self.cfg, self.ratio = cfg, ratio
         H, dh = cfg.num_heads, cfg.head_dim
         self.inv_freq = inv_freq
+        self.rope_key = "compress" if ratio > 0 else "main"
         self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * dh, bias=False)
@@ -177,8 +191,9 @@ class Attention(nn.Module):
 
         c_q = self.q_norm(self.wq_a(x))                            # [B, N, q_lora]
         q = unit_rms(self.wq_b(c_q).view(B, N, H, dh), cfg.norm_eps)
-        q = rope(q, pos, self.inv_freq)                            # [B, N, H, d_h]
-        k = rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq)    # [B, N, d_h]
+        cs = cached_rope(meta, (self.rope_key, "nodes"), pos, self.inv_freq, x.dtype)
+        q = apply_rope(q, *cs)                                     # [B, N, H, d_h]
+        k = apply_rope(self.kv_norm(self.wkv(x)), *cs)             # [B, N, d_h]
         scratch = LayerScratch(k=k)
 
         # Window: committed keys in range, plus ancestor-or-self new keys in range.
@@ -191,16 +206,16 @@ class Attention(nn.Module):
         if self.compressor is not None:
             plan = meta.pools[self.ratio]
             rows = self.compressor.rows(x, pos)
-            new_entries = self.compressor.pool(torch.cat([state.buf, rows], dim=1), plan)  # [B, K, d_h]
+            new_entries = self.compressor.pool(torch.cat([state.buf, rows], dim=1), plan, meta)  # [B, K, d_h]
             scratch.rows, scratch.entries = rows, new_entries
             visible = torch.cat([state.entries_valid[:, None, :].expand(B, N, -1), plan.visible], dim=-1)
             if self.indexer is not None:
                 idx = self.indexer
                 index_rows = idx.compressor.rows(x, pos)
-                new_index_keys = idx.compressor.pool(torch.cat([state.index_buf, index_rows], dim=1), plan)
+                new_index_keys = idx.compressor.pool(torch.cat([state.index_buf, index_rows], dim=1), plan, meta)
                 scratch.index_rows, scratch.index_keys = index_rows, new_index_keys
                 all_index_keys = torch.cat([state.index_keys, new_index_keys], dim=1)
-                visible = idx.select(x, c_q, pos, all_index_keys, visible)
+                visible = idx.select(x, c_q, meta, all_index_keys, visible)
             keys += [state.entries, new_entries]
             masks.append(visible)
 
@@ -211,7 +226,7 @@ class Attention(nn.Module):
         sink = self.attn_sink.to(scores.dtype).view(1, H, 1, 1).expand(B, H, N, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("bhnt,btd->bnhd", probs, keys_all)      # [B, N, H, d_h]
-        out = rope(out, pos, self.inv_freq, inverse=True)
+        out = apply_rope(out, *cs, inverse=True)
         return self.output(out), scratch
 
     def output(self, out: torch.Tensor) -> torch.Tensor:

@@ -65,25 +65,33 @@ def rope_tables(cfg: ModelConfig) -> dict[str, torch.Tensor]:
                                       cfg.yarn_beta_fast, cfg.yarn_beta_slow)}
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2 * len(inv_freq) dims of x in interleaved pairs (2i, 2i+1) by
-    angles positions * inv_freq[i], as V4 does.
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions * inv_freq: [..., N] -> two [..., N, rope_dim / 2] in dtype
+    (angles in float64, so long positions keep their precision)."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    x: [..., N, (H,) dim]; positions: [..., N] broadcastable to x without its head/feature
-    dims. `inverse` rotates by -position: V4 un-rotates the attention output, whose values
-    carry their keys' rotations, back to the query's frame.
-    """
-    half = inv_freq.shape[0]
-    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)   # [..., N, half]
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] dims of x in interleaved pairs (2i, 2i+1), as V4
+    does. x: [..., N, (H,) dim]; cos, sin: [..., N, half] (broadcast over head dims).
+    `inverse` rotates by -position: V4 un-rotates the attention output, whose values carry
+    their keys' rotations, back to the query's frame."""
+    half = cos.shape[-1]
+    for _ in range(x.dim() - cos.dim()):   # head dims between N and features
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
-        angles = -angles
-    for _ in range(x.dim() - angles.dim()):   # head dims between N and features
-        angles = angles.unsqueeze(-2)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        sin = -sin
     x_pass, x_rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
     x1, x2 = x_rot.unflatten(-1, (half, 2)).unbind(-1)
     rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     return torch.cat([x_pass, rotated], dim=-1)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope` at positions [..., N] with inverse frequencies inv_freq [rope_dim / 2]."""
+    return apply_rope(x, *rope_cos_sin(positions, inv_freq, x.dtype), inverse=inverse)
 
 
 # -- feed-forward --------------------------------------------------------------------------

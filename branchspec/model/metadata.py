@@ -18,7 +18,7 @@ positions >= L; node depth = position - L.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,9 @@ class ForwardMeta:
     ancestor: torch.Tensor        # [B, N, N] bool, ancestor[b, n, m]: m is n or an ancestor of n
     valid: torch.Tensor           # [B, N] bool, False for padding nodes
     pools: dict[int, PoolPlan]    # per compress ratio
+    # RoPE cos/sin computed once per forward and shared by every layer that rotates the
+    # same positions with the same table: {(table, which positions): (cos, sin)}.
+    rope_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
