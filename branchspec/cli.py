@@ -1,4 +1,4 @@
-"""`branchspec` command line: generate, bench, train, convert. Flag names follow SGLang."""
+"""`branchspec` command line: generate, serve, bench, train, convert. Flag names follow SGLang."""
 
 from __future__ import annotations
 
@@ -77,6 +77,81 @@ def _generate(args) -> int:
     return 0
 
 
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded v4-mini)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)")
+    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "NONE", "eagle", "none"],
+                   help="EAGLE: MTP draft trees; NONE: plain decoding (the default unless a "
+                        "--speculative-* flag is given)")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 3)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching per step (default 2; 1 = chain)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="verify budget D per round, root included (default 6; steps+1 for a chain)")
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests decoded together at most (the batch; page pools are sized for it)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting for the batch at most; more get 503 with Retry-After")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request "
+                   "(default: the model's max_position)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--seed", type=int, default=None, help="seed the stream unseeded requests draw from")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds to let requests in flight finish before cancelling them")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the engine (default: torch's, one per core); fewer leave "
+                        "cores to the HTTP side and to other processes")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_serve, parser=p)
+
+
+def _serve_spec(args, parser) -> SpecConfig | None:
+    """Plain decoding unless speculation is asked for; then `generate`'s defaults."""
+    given = [f for f in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+             if getattr(args, f) is not None]
+    if args.speculative_algorithm is None:
+        args.speculative_algorithm = "EAGLE" if given else "NONE"
+    elif args.speculative_algorithm.upper() == "NONE" and given:
+        parser.error(f"--{given[0].replace('_', '-')} needs speculation; drop --speculative-algorithm NONE")
+    return _spec_from_args(args, parser)
+
+
+def _serve(args) -> int:
+    import logging
+
+    from branchspec.llm import LLM
+    from branchspec.serve.server import run
+
+    parser = args.parser
+    spec = _serve_spec(args, parser)
+    for name, low in (("max_running_requests", 1), ("max_queued_requests", 0), ("port", 0), ("num_threads", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.port > 65535:
+        parser.error(f"--port must be <= 65535, got {args.port}")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key:
+        parser.error("--api-key is empty")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
+              max_model_len=args.max_model_len, seed=args.seed)
+    try:
+        return run(llm, spec, host=args.host, port=args.port, api_key=args.api_key,
+                   max_queued_requests=args.max_queued_requests, model_name=args.served_model_name,
+                   shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    except OSError as e:   # the address is taken, or not this machine's
+        print(f"branchspec serve: error: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
 def _add_train(sub):
     from branchspec.train.trainer import TrainConfig
 
@@ -149,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="branchspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
     _add_train(sub)
     _add_convert(sub)

@@ -214,6 +214,21 @@ class Engine:
         if self.decode is not None and seq.output_text is None:
             seq.output_text = self.decode(seq.output_ids)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Put an unfinished request back at the front of the queue with no cached state,
+        as preemption does: its pages return to the pools and it is recomputed from its
+        tokens when admitted again. After a step that raised part-way, this makes a request
+        safe to run again (the server retries each one alone to find which one failed)."""
+        if seq.finished:
+            return
+        if seq in self.scheduler.running:
+            self.scheduler.running.remove(seq)
+        if seq not in self.scheduler.waiting:
+            self.scheduler.waiting.appendleft(seq)
+        if seq.seq_id in self.cache.tables:
+            self.cache.free(seq.seq_id)
+        seq.num_committed, seq.last_hidden = 0, None
+
     def run(self, spec: SpecConfig | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:
         finished = []
         while self.scheduler.has_work():

@@ -1,0 +1,316 @@
+"""The HTTP side: routes, API key, queue limit, server-sent events, disconnects, shutdown.
+
+Everything here runs on the event loop; generation runs in the engine thread
+(`worker.py`). A request is checked completely (`protocol.py`) before it is queued, so a
+bad one costs no engine time and gets its 400 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from branchspec.config import SpecConfig
+from branchspec.serve import protocol
+from branchspec.serve.metrics import ServerMetrics
+from branchspec.serve.protocol import APIError, GenerationRequest
+from branchspec.serve.textstream import TokenPieces
+from branchspec.serve.worker import EngineWorker, Job, Output
+
+log = logging.getLogger("branchspec.serve")
+
+MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_SECONDS = 1
+
+
+class ServerState:
+    """One served model: the LLM and its engine thread, the limits, the metrics."""
+
+    def __init__(self, llm, spec: SpecConfig | None, *, model_name: str | None = None, api_key: str | None = None,
+                 max_queued_requests: int = 256):
+        llm.engine.check_spec(spec)
+        self.llm, self.spec = llm, spec
+        self.engine = llm.engine
+        self.model_name = model_name or llm.path.name
+        self.api_key = api_key
+        self.max_running = llm.engine_config.max_batch_size
+        self.max_queued = max_queued_requests
+        self.created = int(time.time())
+        self.in_flight = 0          # accepted and unfinished (event loop only)
+        self.draining = False
+        self.metrics = ServerMetrics({n: p.num_pages for n, p in self.engine.cache.pools.items()},
+                                     spec.num_draft_tokens if spec is not None else 1)
+        # The tokenizer is encoded from the event loop and decoded in the engine thread;
+        # its backend keeps a per-call flag, so calls take turns.
+        tok = llm.tokenizer
+        self._tok_lock = threading.Lock()
+        decode = None
+        if tok is not None:
+            decode = self._locked(llm._decode_output)
+            self.engine.decode = decode   # the engine decodes for stop strings and final text
+        self.info = protocol.ModelInfo(
+            name=self.model_name, max_len=self.engine.max_len,
+            encode_text=None if tok is None else self._locked(lambda text: tok.encode(text, add_bos=True)),
+            encode_chat=None if tok is None else self._locked(
+                lambda messages: tok.encode_chat(messages, add_generation_prompt=True)),
+            validate=self.engine.validate)   # reads only the engine's fixed sizes
+        self.worker = EngineWorker(self.engine, spec, self.metrics, decode=decode,
+                                   token_piece=self._locked(TokenPieces(tok)))
+
+    def _locked(self, fn):
+        def call(*args):
+            with self._tok_lock:
+                return fn(*args)
+        return call
+
+    def begin_drain(self) -> None:
+        """Stop taking requests; those in flight go on (until cancel_all)."""
+        self.draining = True
+
+    def cancel_all(self) -> None:
+        """End every request in flight now, each cleanly: streams get a last chunk with
+        finish_reason "abort" and [DONE]; waiting non-streamed requests get a 503."""
+        self.worker.cancel_all()
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.worker.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.get_running_loop().run_in_executor(None, state.worker.stop, 30.0)
+
+    app = FastAPI(title="branchspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.branchspec = state
+    metrics = state.metrics
+
+    def error(err: APIError) -> JSONResponse:
+        metrics.requests.labels(err.status_label).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    def check_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"}, status_label="unauthorized")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:   # unknown route, wrong method
+        return JSONResponse(protocol.error_body(str(exc.detail), "invalid_request_error"),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.worker.alive or state.draining:
+            return JSONResponse({"status": "shutting down" if state.draining else "engine stopped"},
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except APIError as e:
+            return error(e)
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "branchspec",
+            "max_model_len": state.engine.max_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, protocol.parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, protocol.parse_chat)
+
+    async def generate(request: Request, parse) -> Response:
+        try:
+            check_key(request)
+            if state.draining or not state.worker.alive:
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                               status_label="rejected")
+            req = parse(await read_json(request), state.info)
+            if state.in_flight >= state.max_running + state.max_queued:
+                raise APIError(503, f"the queue is full ({state.max_running} running and {state.max_queued} "
+                                    "queued requests); retry later", type="server_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)}, status_label="rejected")
+        except APIError as e:
+            return error(e)
+        except Exception as e:   # a bug while reading this request fails it alone
+            log.exception("bad request handling")
+            return error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                                  status_label="error"))
+        job = Job(req.prompt_ids, req.params, stream=req.stream, logprobs=req.logprobs is not None,
+                  loop=asyncio.get_running_loop())
+        state.in_flight += 1
+        state.worker.submit(job)
+        rid = ("chatcmpl-" if req.endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+        if req.stream:
+            def closed() -> None:   # however the response ended: a client gone mid-stream aborts
+                if not job.counted:
+                    state.worker.abort(job)
+                    done(job, "abort")
+
+            return _EventStream(stream(job, req, rid), closed, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await complete(request, job, req, rid)
+
+    def done(job: Job, status: str) -> None:
+        if job.counted:
+            return
+        job.counted = True
+        state.in_flight -= 1
+        metrics.requests.labels(status).inc()
+
+    def status_of(out: Output) -> str:
+        return "error" if out.error else "cancelled" if out.cancelled else out.finish_reason
+
+    async def complete(request: Request, job: Job, req: GenerationRequest, rid: str) -> Response:
+        """Wait for the whole answer; a client that goes away aborts the request."""
+        result = asyncio.ensure_future(job.outputs.get())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not result.done():
+                result.cancel()
+                state.worker.abort(job)
+                done(job, "abort")
+            gone.cancel()
+        if not result.done() or result.cancelled():
+            return Response(status_code=499)
+        out = result.result()
+        done(job, status_of(out))
+        if out.error:
+            return JSONResponse(protocol.error_body(f"the request failed: {out.error}", "server_error"),
+                                status_code=500)
+        if out.cancelled:
+            return JSONResponse(protocol.error_body("the server is shutting down; the request was cancelled "
+                                                    f"after {out.completion_tokens} tokens", "server_error",
+                                                    code="shutting_down"), status_code=503)
+        return JSONResponse(response_body(req, rid, out))
+
+    async def stream(job: Job, req: GenerationRequest, rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        chat = req.endpoint == "chat"
+        offset = 0
+        if chat:
+            yield sse(chunk(req, rid, created, {"role": "assistant", "content": ""}, None, [], None))
+        while True:
+            out = await job.outputs.get()
+            if out.error:
+                done(job, "error")
+                yield sse(protocol.error_body(f"the request failed: {out.error}", "server_error"))
+                break
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = (protocol.chat_logprobs(out.logprobs, req.logprobs) if chat
+                            else protocol.completion_logprobs(out.logprobs, offset))
+                offset += sum(len(t.token) for t in out.logprobs)
+            body = chunk(req, rid, created, {"content": out.text} if chat else out.text, logprobs,
+                         out.token_ids, out.finish_reason)
+            if out.final:
+                body["spec_stats"] = protocol.spec_stats(out.accept_length, out.num_rounds)
+            yield sse(body)
+            if out.final:
+                done(job, status_of(out))
+                if req.include_usage:
+                    yield sse({"id": rid, "object": body["object"], "created": created, "model": req.model,
+                               "choices": [], "usage": protocol.usage(out.prompt_tokens, out.completion_tokens)})
+                break
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends: finished, client gone
+    (Starlette cancels the stream on disconnect), or never started."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def read_json(request: Request) -> dict:
+    size, parts = 0, []
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        parts.append(part)
+    try:
+        body = json.loads(b"".join(parts))
+    except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def chunk(req: GenerationRequest, rid: str, created: int, delta, logprobs, token_ids: list[int],
+          finish_reason: str | None) -> dict:
+    if req.endpoint == "chat":
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        kind = "text_completion"
+    choice["token_ids"] = token_ids
+    return {"id": rid, "object": kind, "created": created, "model": req.model, "choices": [choice]}
+
+
+def response_body(req: GenerationRequest, rid: str, out: Output) -> dict:
+    choice: dict = {"index": 0}
+    if req.endpoint == "chat":
+        kind = "chat.completion"
+        choice["message"] = {"role": "assistant", "content": out.text}
+        choice["logprobs"] = None if out.logprobs is None else protocol.chat_logprobs(out.logprobs, req.logprobs)
+    else:
+        kind = "text_completion"
+        choice["text"] = out.text
+        choice["logprobs"] = None if out.logprobs is None else protocol.completion_logprobs(out.logprobs, 0)
+    choice["finish_reason"] = out.finish_reason
+    choice["token_ids"] = out.token_ids
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
+            "usage": protocol.usage(out.prompt_tokens, out.completion_tokens),
+            "spec_stats": protocol.spec_stats(out.accept_length, out.num_rounds)}
