@@ -39,6 +39,7 @@ def _add_generate(sub):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--compile", action="store_true", help="run the compiled fast path (compiles first)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_generate, parser=p)
 
@@ -52,7 +53,10 @@ def _generate(args) -> int:
                                 seed=args.seed)
     except ValueError as e:
         args.parser.error(str(e))
-    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1)
+    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile)
+    if args.compile:
+        info = llm.warmup(spec, batch_sizes=(1,))
+        print(f"compiled {info['graphs']} graphs in {info['seconds']:.1f} s", file=sys.stderr)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, spec=spec)[0]
     else:
@@ -105,6 +109,8 @@ def _add_serve(sub):
                    help="torch threads of the engine (default: torch's, one per core); fewer leave "
                         "cores to the HTTP side and to other processes")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--compile", action="store_true",
+                   help="run the compiled fast path (compiles every graph before serving)")
     p.set_defaults(func=_serve, parser=p)
 
 
@@ -142,7 +148,10 @@ def _serve(args) -> int:
 
         torch.set_num_threads(args.num_threads)
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
-              max_model_len=args.max_model_len, seed=args.seed)
+              max_model_len=args.max_model_len, seed=args.seed, compile=args.compile)
+    if args.compile:   # before the port opens: no request waits for a compilation
+        info = llm.warmup(spec, batch_sizes=(1,))
+        logging.getLogger("branchspec.serve").info("compiled %d graphs in %.1f s", info["graphs"], info["seconds"])
     try:
         return run(llm, spec, host=args.host, port=args.port, api_key=args.api_key,
                    max_queued_requests=args.max_queued_requests, model_name=args.served_model_name,

@@ -481,6 +481,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position
     num_pages: dict = field(default_factory=dict)
     prefill_chunk_size: int = 256
+    compile: bool = False             # the compiled fast path (engine/compiled.py); eager is the reference
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -489,6 +490,8 @@ class EngineConfig:
         if self.max_model_len is not None:
             object.__setattr__(self, "max_model_len",
                                check_int(own, "max_model_len", self.max_model_len, minimum=1))
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"{own}.compile must be a bool, got {type(self.compile).__name__}")
         if not isinstance(self.num_pages, dict):
             raise TypeError(f"{own}.num_pages must be a dict of state kind -> page count, "
                             f"got {type(self.num_pages).__name__}")

@@ -64,11 +64,12 @@ class LLM:
     One engine (its page pools and its seed stream) lives as long as the LLM: requests of
     later calls reuse the pools, and unseeded sampled requests differ from call to call.
     `seed` fixes that stream, so a whole script of calls is reproducible.
+    `compile=True` runs decode, verify and drafting compiled (`warmup` compiles ahead).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  max_batch_size: int = 64, max_model_len: int | None = None, page_size: int = 16,
-                 seed: int | None = None):
+                 seed: int | None = None, compile: bool = False):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder path (str or PathLike) or None, "
                             f"got {type(model).__name__}")
@@ -77,7 +78,7 @@ class LLM:
         if seed is not None:
             seed = check_int("LLM", "seed", seed, minimum=0, maximum=MAX_SEED)
         self.engine_config = EngineConfig(max_batch_size=max_batch_size, page_size=page_size,
-                                          max_model_len=max_model_len)
+                                          max_model_len=max_model_len, compile=compile)
         path = Path(model) if model is not None else DEFAULT_CHECKPOINT
         if model is None and not (path / "config.json").is_file():
             raise FileNotFoundError(f"the embedded default checkpoint is missing at {path}; "
@@ -116,6 +117,24 @@ class LLM:
         (real V4 checkpoints are); ids in the padding have no text and are skipped."""
         known = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < known])
+
+    def warmup(self, spec: SpecConfig | None = None, batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
+        """Run short dummy generations at each batch size with `spec` (and plainly), so that
+        a compiled LLM compiles every graph it needs now rather than mid-request. Batch 1 and
+        any batch of 2 or more cover all batch sizes. Returns {"seconds", "graphs"}; on an
+        eager LLM it only warms caches."""
+        from branchspec.engine.compiled import compilations
+
+        self.engine.check_spec(spec)
+        t0, graphs0 = time.perf_counter(), compilations()
+        # Long enough to cross a page of entries and finish rounds at every accept length.
+        params = SamplingParams(max_tokens=min(3 * (spec.num_draft_tokens if spec else 1) + 2, 32),
+                                ignore_eos=True, seed=0)
+        prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
+        for b in batch_sizes:
+            for s in ([None, spec] if spec is not None else [None]):
+                self.generate([prompt] * b, params, spec=s)
+        return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0}
 
     # -- input ------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:

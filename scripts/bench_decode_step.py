@@ -1,10 +1,12 @@
-"""Decode step time of the target model at batch 1 and 64 (random weights: timing only).
+"""Decode step time of the target model at batch 1 and 64 (random weights: timing only),
+against its floor: the same step's matmuls alone, with the same weights, in the same run.
 
 Each sequence holds a committed context of --context tokens (so C4 and C128 entries exist);
-one step feeds one token per sequence through gather -> forward -> commit. Prints a table,
-then one line of JSON.
+one step feeds one token per sequence through gather -> forward -> commit. With --compile
+the compiled fast path is timed too (it compiles first: about a minute per model). Prints a
+table, then one line of JSON.
 
-    python scripts/bench_decode_step.py [--context 512] [--steps 20] [--threads N]
+    python scripts/bench_decode_step.py [--context 512] [--steps 20] [--threads N] [--compile]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
 from branchspec.config import tiny_config, v4_mini_config
@@ -23,14 +26,20 @@ from branchspec.model.weights import random_model
 
 
 @torch.no_grad()
-def step_times(cfg, batch: int, context: int, steps: int) -> list[float]:
-    model = random_model(cfg, seed=0)
-    cache = PagedState(cfg, max_seqs=batch, max_len=context + steps + 1, page_size=16)
+def step_times(model, batch: int, context: int, steps: int, compiled: bool = False) -> list[float]:
+    cfg = model.cfg
+    cache = PagedState(cfg, max_seqs=batch, max_len=context + steps + 4, page_size=16)
+    forward = model.forward
+    if compiled:
+        from branchspec.engine.compiled import compile_steps
+
+        forward = compile_steps(model)[0]
+        cache.pad_entries = True
     ids = list(range(batch))
     for sid in ids:
         cache.add(sid)
         cache.reserve(sid, context)
-    # Fill the context with one batched prefill chunk.
+    # Fill the context with one batched prefill chunk (eager).
     L = torch.zeros(batch, dtype=torch.long)
     meta = chain_meta(L, context, cfg.compressed_ratios)
     tokens = torch.randint(3, cfg.vocab_size, (batch, context))
@@ -38,16 +47,32 @@ def step_times(cfg, batch: int, context: int, steps: int) -> list[float]:
     cache.commit(ids, meta, out.scratch, meta.valid)
     L = L + context
     times = []
-    for _ in range(steps):
+    for _ in range(steps + 3):
         for sid in ids:
             cache.reserve(sid, int(L[0]) + 1)
         t0 = time.perf_counter()
-        meta = chain_meta(L, 1, cfg.compressed_ratios)
-        out = model(torch.randint(3, cfg.vocab_size, (batch, 1)), meta, cache.gather(ids, L))
+        meta = chain_meta(L, 1, cfg.compressed_ratios, static=compiled)
+        out = forward(torch.randint(3, cfg.vocab_size, (batch, 1)), meta, cache.gather(ids, L))
         cache.commit(ids, meta, out.scratch, meta.valid)
         times.append(time.perf_counter() - t0)
         L = L + 1
-    return times[2:]
+    return times[3:]
+
+
+@torch.no_grad()
+def floor_times(model, batch: int, steps: int) -> list[float]:
+    """The step's matmuls alone: every target Linear (and the LM head) applied once to a
+    [batch, in_features] input, back to back."""
+    weights = [m.weight for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not name.startswith("mtp")]
+    inputs = [torch.randn(batch, w.shape[1]) for w in weights]
+    times = []
+    for _ in range(steps + 3):
+        t0 = time.perf_counter()
+        for x, w in zip(inputs, weights):
+            F.linear(x, w)
+        times.append(time.perf_counter() - t0)
+    return times[3:]
 
 
 def main() -> None:
@@ -55,19 +80,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="also time the compiled fast path")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    paths = ("eager", "compiled") if args.compile else ("eager",)
     rows = []
     for name, cfg in (("tiny", tiny_config()), ("v4-mini", v4_mini_config())):
+        model = random_model(cfg, seed=0)
         for batch in (1, 64):
-            t = step_times(cfg, batch, args.context, args.steps)
-            rows.append({"model": name, "batch": batch, "context": args.context,
-                         "median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t),
-                         "tok_per_s": batch / statistics.median(t)})
-    print(f"{'model':8} {'batch':>5} {'median ms':>10} {'min ms':>8} {'tok/s':>8}")
+            floor = statistics.median(floor_times(model, batch, args.steps))
+            for path in paths:
+                t = statistics.median(step_times(model, batch, args.context, args.steps, path == "compiled"))
+                rows.append({"model": name, "path": path, "batch": batch, "context": args.context,
+                             "median_ms": 1e3 * t, "floor_ms": 1e3 * floor, "x_floor": t / floor,
+                             "tok_per_s": batch / t})
+    print(f"{'model':8} {'path':9} {'batch':>5} {'median ms':>10} {'floor ms':>9} {'x floor':>8} {'tok/s':>8}")
     for r in rows:
-        print(f"{r['model']:8} {r['batch']:5d} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['tok_per_s']:8.0f}")
+        print(f"{r['model']:8} {r['path']:9} {r['batch']:5d} {r['median_ms']:10.2f} {r['floor_ms']:9.2f} "
+              f"{r['x_floor']:8.1f} {r['tok_per_s']:8.0f}")
     print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}))
 
 

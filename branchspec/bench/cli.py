@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "google-research-datasets/mbpp from the Hugging Face hub; without --workloads, MBPP "
                         "is skipped with a note when none of these works)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--compile", action="store_true",
+                   help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -129,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         # Workloads the user named must all run; the preset's may drop MBPP when it has no source.
         mbpp_optional=args.workloads is None,
         dtype=args.dtype,
+        compile=args.compile,
         threads=args.threads,
         progress=not args.no_progress,
         plots=not args.no_plots,

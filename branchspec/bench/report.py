@@ -23,7 +23,8 @@ THROUGHPUT_HEADERS_LEAD = ("workload", "batch size")          # then one column 
 COMPARISON_HEADERS = ("workload", "batch size", "D", "chain accept", "tree (best tok/s)", "tree accept",
                       "accept gain", "chain tok/s", "tree tok/s", "throughput gain", "conversion",
                       "best-accept tree", "its accept")
-BREAKDOWN_HEADERS = ("kind", "batch size", "D", *(f"{p} ms" for p in BREAKDOWN_PHASES), "total ms")
+BREAKDOWN_HEADERS = ("kind", "batch size", "D", *(f"{p} ms" for p in BREAKDOWN_PHASES), "total ms",
+                     "not verify")
 CELL_HEADERS = ("workload", "batch size", "kind", "shape", "D", "accept length", "accept rate per depth",
                 "tok/s", "speedup", "ms/round", "rounds", "tokens", "wall s", "matches baseline")
 
@@ -96,7 +97,8 @@ def comparison_rows(comparisons: list[Comparison]) -> list[list[str]]:
 
 def breakdown_rows(cells: list[CellResult], comparisons: list[Comparison]) -> list[list[str]]:
     return [[r.kind, str(r.batch_size), "-" if r.D is None else str(r.D),
-             *(num(r.ms[p], 3) for p in BREAKDOWN_PHASES), num(r.ms["total"], 3)]
+             *(num(r.ms[p], 3) for p in BREAKDOWN_PHASES), num(r.ms["total"], 3),
+             f"{100 * (1 - r.ms['verify'] / r.ms['total']):.0f}%" if r.ms["total"] > 0 else "-"]
             for r in breakdown_table(cells, comparisons)]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
-from branchspec.config import EngineConfig, SamplingParams, SpecConfig
+from branchspec.config import SamplingParams, SpecConfig
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 
@@ -61,6 +61,7 @@ class StudyConfig:
     out_dir: str | Path = "bench_out"
     mbpp_path: str | Path | None = None
     dtype: str = "float32"
+    compile: bool = False
     threads: int | None = None
     prompts_override: dict[str, list[list[int]]] | None = None
     progress: bool = True
@@ -161,7 +162,7 @@ class StudyConfig:
             "tree_shapes": {d: [shape_label(s) for s in self.specs_at(d)[1:]] for d in self.budgets},
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
-            "dtype": self.dtype, "threads": self.threads or torch.get_num_threads(),
+            "dtype": self.dtype, "compile": self.compile, "threads": self.threads or torch.get_num_threads(),
             "prompts": "override" if self.prompts_override is not None else "eval split",
             "notes": list(self.notes),
         }
@@ -224,7 +225,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    llm = LLM(cfg.model, dtype=cfg.dtype, seed=0)   # sampled studies repeat run to run
+    llm = LLM(cfg.model, dtype=cfg.dtype, max_batch_size=1, max_model_len=64)   # tokenizer and checks
     if llm.model.mtp is None:
         raise ValueError(f"checkpoint {llm.path} has no MTP block, so it cannot draft; the study needs one")
     prompts = load_prompts(cfg, llm)
@@ -236,15 +237,20 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         raise ValueError(f"a prompt of {longest} tokens + max_tokens {cfg.max_tokens} exceeds the model's "
                          f"max_position {llm.config.max_position}; lower max_tokens or max_prompt_tokens")
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, ignore_eos=True)
-
-    def set_batch(b: int) -> None:
-        # LLM builds a fresh Engine from engine_config on every generate() call.
-        llm.engine_config = EngineConfig(max_batch_size=b, page_size=16, max_model_len=max_len)
+    # One engine for the whole study, its pools sized for the largest batch of the longest
+    # request plus one round of slack (not the model's full max_position); seeded, so
+    # sampled studies repeat run to run.
+    llm = LLM(cfg.model, dtype=cfg.dtype, max_batch_size=max(cfg.batch_sizes), max_model_len=max_len,
+              seed=0, compile=cfg.compile)
+    compile_seconds = 0.0
+    if cfg.compile:
+        # Compile every graph the grid needs before anything is timed.
+        for spec in [None] + [s for d in cfg.budgets for s in cfg.specs_at(d)]:
+            compile_seconds += llm.warmup(spec, batch_sizes=(1,))["seconds"]
 
     if cfg.warmup:
         # One short untimed run of each path, so one-time costs (allocator growth, lazy
         # initialisation) do not land in the first measured cell.
-        set_batch(1)
         first = next(iter(prompts.values()))[:1]
         warm = SamplingParams(temperature=cfg.temperature, max_tokens=min(4, cfg.max_tokens), ignore_eos=True)
         llm.generate(first, warm)
@@ -256,7 +262,6 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     with results_path.open("w") as f:
         for workload in cfg.workloads:
             for b in cfg.batch_sizes:
-                set_batch(b)
                 batch = batch_prompts(prompts[workload], b)
                 group = [None] + [s for d in cfg.budgets for s in cfg.specs_at(d)]
                 baseline: CellResult | None = None
@@ -287,7 +292,8 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         bar.close()
 
     wall_seconds = time.perf_counter() - t_start
-    comparisons, summary, files = write_outputs(out_dir, cells, cfg.describe(), wall_seconds, cfg.plots)
+    config = {**cfg.describe(), "compile_seconds": round(compile_seconds, 1)}
+    comparisons, summary, files = write_outputs(out_dir, cells, config, wall_seconds, cfg.plots)
     return StudyResult(config=cfg, cells=cells, comparisons=comparisons, summary=summary,
                        out_dir=out_dir, files=files, wall_seconds=wall_seconds)
 

@@ -94,6 +94,9 @@ class PagedState:
         # changed some table: most steps allocate nothing, and building them from Python
         # lists row by row was a large share of a batch-64 step.
         self._table_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        # Gather entries in whole pages (the padding masked by entries_valid), for compiled
+        # steps whose shapes must not change with every new entry.
+        self.pad_entries = False
         # model layer -> (kind, index within kind's storage), per kind family
         self._layer_slot = {(name, l): i for name, s in self.specs.items() for i, l in enumerate(s.layers)}
 
@@ -191,6 +194,12 @@ class PagedState:
             addr[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, buffer_rows(r))[0]
             num_entries = lengths // r
             E = int(num_entries.max()) if len(seq_ids) else 0
+            if self.pad_entries:
+                # Whole pages, at least one, and for C4 at least the indexer's top-k: the
+                # shape changes every page_size entries, and top-k never has fewer entries
+                # than k to choose from (which the compiler would guard on).
+                least = cfg.index_topk if r == 4 else 1
+                E = -(-max(E, least) // self.page_size) * self.page_size
             e = torch.arange(E, device=self.device).expand(len(seq_ids), E)   # [B, E] entry numbers
             addr[f"ent{r}"] = (self._slots(f"ent{r}", tables[f"ent{r}"], e), e < num_entries[:, None])
             if r == 4:
@@ -231,10 +240,10 @@ class PagedState:
                 S = st.buf.shape[1]
                 first = max(start, 0) - (length - S)                 # row of `start` in the gathered window
                 out[f"buf{r}/{l}"] = st.buf[0, first:]
-                out[f"ent{r}/{l}"] = st.entries[0]
+                out[f"ent{r}/{l}"] = st.entries[0, st.entries_valid[0]]
                 if r == 4:
                     out[f"ibuf/{l}"] = st.index_buf[0, first:]
-                    out[f"ikey/{l}"] = st.index_keys[0]
+                    out[f"ikey/{l}"] = st.index_keys[0, st.entries_valid[0]]
         if mtp_length is not None:
             m = self.gather_mtp([seq_id], torch.tensor([mtp_length], device=self.device))
             out["mtp/0"] = m.raw_k[0, m.raw_valid[0, 0]]

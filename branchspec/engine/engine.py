@@ -35,7 +35,8 @@ class Engine:
                                 page_size=self.config.page_size, dtype=p.dtype, device=p.device,
                                 num_pages=self.config.num_pages)
         drafter = MTPDrafter(model) if model.mtp else None
-        self.runner = ModelRunner(model, self.cache, drafter, self.config.prefill_chunk_size)
+        self.runner = ModelRunner(model, self.cache, drafter, self.config.prefill_chunk_size,
+                                  compile=self.config.compile)
         self.scheduler = Scheduler(self.config.max_batch_size)
         self.decode = decode
         # EOS always ends a request (unless ignore_eos); a tokenizer may add its turn-end token.

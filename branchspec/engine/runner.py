@@ -74,13 +74,26 @@ def emitted_logprobs(seqs: list[Sequence], logits: torch.Tensor, nodes: torch.Te
 
 
 class ModelRunner:
+    """Runs prefill, decode steps and speculative rounds. With `compile`, decode, verify and
+    every drafter forward run compiled (`engine/compiled.py`) on stable shapes; prefill
+    stays eager, and eager is always the reference."""
+
     def __init__(self, model: Transformer, cache: PagedState, drafter: Drafter | None,
-                 prefill_chunk_size: int = 256):
+                 prefill_chunk_size: int = 256, compile: bool = False):
         self.model, self.cache, self.drafter = model, cache, drafter
         self.cfg = model.cfg
         self.chunk = prefill_chunk_size
         self.device = model.embed.weight.device
         self.timer = PhaseTimer()
+        self.static = compile
+        self.target, self.mtp_forward = model.forward, model.mtp_forward
+        if compile:
+            from branchspec.engine.compiled import compile_steps
+
+            self.target, self.mtp_forward = compile_steps(model)
+            cache.pad_entries = True
+            if drafter is not None:
+                drafter.mtp_forward = self.mtp_forward
 
     def _lengths(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.num_committed for s in seqs], dtype=torch.long, device=self.device)
@@ -176,8 +189,8 @@ class ModelRunner:
         ids = [s.seq_id for s in seqs]
         L = self._lengths(seqs)
         roots = torch.tensor([[s.root_id] for s in seqs], device=self.device)
-        meta = chain_meta(L, 1, self.cfg.compressed_ratios)
-        out = self.model(roots, meta, self.cache.gather(ids, L))
+        meta = chain_meta(L, 1, self.cfg.compressed_ratios, static=self.static)
+        out = self.target(roots, meta, self.cache.gather(ids, L))
         t0 = self.timer.record("verify", t0)
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         t0 = self.timer.record("commit", t0)
@@ -203,10 +216,10 @@ class ModelRunner:
         tree = self.drafter.draft(roots, prev_hidden, L, self.cache.gather_mtp(ids, L), spec)
         t0 = self.timer.record("draft", t0)
 
-        plan = build_verify_plan(tree.parents, L, cfg.compressed_ratios)
+        plan = build_verify_plan(tree.parents, L, cfg.compressed_ratios, static=self.static)
         t0 = self.timer.record("plan", t0)
 
-        out = self.model(tree.tokens, plan.meta, self.cache.gather(ids, L))  # [B, D, V]
+        out = self.target(tree.tokens, plan.meta, self.cache.gather(ids, L))  # [B, D, V]
         t0 = self.timer.record("verify", t0)
 
         # A round never commits past a request's token budget (its pages were sized for it).
@@ -238,9 +251,13 @@ class ModelRunner:
         bidx = torch.arange(B, device=dev)[:, None]
         path_hidden = out.hidden[bidx, acc.path]                             # [B, D, d]
         prev = torch.cat([prev_hidden[:, None], path_hidden[:, :-1]], dim=1)
-        Nmax = int(acc.path_len.max())
+        # Compiled: always D slots (padding masked by meta.valid), so no accept length recompiles.
+        Nmax = spec.num_draft_tokens if self.static else int(acc.path_len.max())
         meta = chain_meta(L, acc.path_len, (), max_new=Nmax)
-        mtp = self.model.mtp_forward(path_tokens[:, :Nmax], prev[:, :Nmax], meta, self.cache.gather_mtp(ids, L))
+        committed = self.cache.gather_mtp(ids, L)
+        if self.static:   # per-node visibility, as the drafter's frontier steps have: one graph for both
+            committed.raw_valid = committed.raw_valid.expand(B, Nmax, committed.raw_valid.shape[-1])
+        mtp = self.mtp_forward(path_tokens[:, :Nmax], prev[:, :Nmax], meta, committed)
         self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
         last = path_hidden[torch.arange(B, device=dev), acc.path_len - 1]    # [B, d]
         for b, s in enumerate(seqs):

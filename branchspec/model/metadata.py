@@ -71,10 +71,21 @@ class ForwardMeta:
         return self.positions.shape[1]
 
 
+def max_completions(num_nodes: int, ratio: int, chain: bool) -> int:
+    """An upper bound on the nodes of one forward that complete a block of `ratio`: a chain
+    of N consecutive positions completes at most ceil(N / r); tree nodes may all do."""
+    return -(-num_nodes // ratio) if chain else num_nodes
+
+
 def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: torch.Tensor,
-               valid: torch.Tensor, ratios: tuple[int, ...], chain: bool = False) -> ForwardMeta:
+               valid: torch.Tensor, ratios: tuple[int, ...], chain: bool = False,
+               static: bool = False) -> ForwardMeta:
     """Derive the pooling plans. `chain=True` promises node n's ancestors are nodes 0..n,
-    which lets row sources be computed arithmetically instead of from the ancestor matrix."""
+    which lets row sources be computed arithmetically instead of from the ancestor matrix.
+
+    `static=True` sizes the completing-node slots K by `max_completions` rather than by
+    this forward's count (the unused slots are masked by complete_valid), so a compiled
+    step sees the same shapes whether or not a block completes this time."""
     B, N = positions.shape
     device = positions.device
     depth = positions - num_committed[:, None]  # [B, N]
@@ -91,7 +102,10 @@ def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: t
         span = pool_span(r)
         S = span - 1
         completes = valid & ((positions + 1) % r == 0)                      # [B, N]
-        K = int(completes.sum(1).max()) if N > 0 else 0
+        if static:
+            K = max_completions(N, r, chain)
+        else:
+            K = int(completes.sum(1).max()) if N > 0 else 0
         # Stable order: completing nodes first, in node order.
         order = torch.sort((~completes).to(torch.int8), dim=1, stable=True).indices[:, :K]
         complete_idx = order                                                 # [B, K]
@@ -122,7 +136,7 @@ def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: t
 
 
 def chain_meta(num_committed: torch.Tensor, num_new: torch.Tensor | int, ratios: tuple[int, ...],
-               max_new: int | None = None) -> ForwardMeta:
+               max_new: int | None = None, static: bool = False) -> ForwardMeta:
     """Metadata for appending a chain of tokens (prefill chunk, decode step, training).
 
     num_committed: [B]; num_new: [B] or int, tokens appended per sequence (padded to max_new).
@@ -138,4 +152,4 @@ def chain_meta(num_committed: torch.Tensor, num_new: torch.Tensor | int, ratios:
     causal = idx[:, None] >= idx[None, :]                      # [N, N]
     # Padding nodes see only themselves so their softmax stays finite.
     ancestor = (causal[None] & valid[:, None, :]) | torch.eye(N, dtype=torch.bool, device=device)[None]
-    return build_meta(positions, num_committed, ancestor, valid, ratios, chain=True)
+    return build_meta(positions, num_committed, ancestor, valid, ratios, chain=True, static=static)

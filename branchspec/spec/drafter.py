@@ -47,6 +47,7 @@ class MTPDrafter:
         if not model.mtp:
             raise ValueError("the checkpoint has no MTP block (num_mtp_layers = 0); it cannot draft")
         self.model = model
+        self.mtp_forward = model.mtp_forward        # the runner swaps in a compiled one
 
     @torch.no_grad()
     def draft(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
@@ -59,7 +60,7 @@ class MTPDrafter:
         bidx = torch.arange(B, device=device)[:, None]
 
         # Step 1: the root's MTP slot at position L.
-        root = model.mtp_forward(root_ids[:, None], prev_hidden[:, None], chain_meta(num_committed, 1, ()),
+        root = self.mtp_forward(root_ids[:, None], prev_hidden[:, None], chain_meta(num_committed, 1, ()),
                                  committed)
         slot_k = root.scratch[0].k                                  # [B, X, d_h] keys of expanded nodes
         slot_pos = num_committed[:, None].clone()                   # [B, X]
@@ -77,7 +78,7 @@ class MTPDrafter:
             prev = slot_hidden[bidx, cand_slot_parent.gather(1, frontier)]      # [B, k, d]
             anc = cand_anc[bidx, frontier]                          # [B, k, X]
             # Frontier nodes sit at depth `step`; among themselves they are siblings.
-            positions = (num_committed + step)[:, None].expand(B, k)
+            positions = (num_committed + step)[:, None].expand(B, k).contiguous()
             meta = build_meta(positions, num_committed,
                               torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k),
                               torch.ones(B, k, dtype=torch.bool, device=device), ())
@@ -86,7 +87,7 @@ class MTPDrafter:
                 raw_k=torch.cat([committed.raw_k, slot_k], dim=1),
                 raw_pos=torch.cat([committed.raw_pos, slot_pos], dim=1),
                 raw_valid=torch.cat([committed.raw_valid.expand(B, k, Wc), anc], dim=2))
-            out = model.mtp_forward(tokens, prev, meta, state)
+            out = self.mtp_forward(tokens, prev, meta, state)
             new_slots = X + torch.arange(k, device=device)           # slots of the expanded frontier
             slot_k = torch.cat([slot_k, out.scratch[0].k], dim=1)
             slot_pos = torch.cat([slot_pos, positions], dim=1)

@@ -43,10 +43,10 @@ class VerifyPlan:
 
 
 def build_verify_plan(parents: torch.Tensor, num_committed: torch.Tensor,
-                      ratios: tuple[int, ...]) -> VerifyPlan:
+                      ratios: tuple[int, ...], static: bool = False) -> VerifyPlan:
     ancestor = ancestor_matrix(parents)
     depth = ancestor.sum(-1) - 1                                 # [B, D]
     positions = num_committed[:, None] + depth
     valid = torch.ones_like(parents, dtype=torch.bool)
-    meta = build_meta(positions, num_committed, ancestor, valid, ratios)
+    meta = build_meta(positions, num_committed, ancestor, valid, ratios, static=static)
     return VerifyPlan(parents=parents, ancestor=ancestor, depth=depth, meta=meta)

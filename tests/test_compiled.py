@@ -1,0 +1,65 @@
+"""The compiled fast path gives the same greedy tokens as eager, on a small grid, and
+compiles nothing after its warm-up: a growing context, new requests, other batch sizes and
+other accept lengths reuse the warm-up's graphs.
+
+Compiling takes tens of seconds per graph on two cores, so one compiled LLM serves the
+whole module; eager stays the reference (and the default everywhere else)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchspec import LLM, SamplingParams, SpecConfig
+from branchspec.config import tiny_config
+from branchspec.engine.compiled import compilations
+from branchspec.model.weights import random_model, save_checkpoint
+
+TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
+CHAIN = SpecConfig.chain(6)
+PROMPTS = [[0] + [3 + (7 * j + i) % 60 for j in range(20 + 9 * i)] for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint(random_model(tiny_config(), seed=0, std=0.3), tmp_path_factory.mktemp("tiny_c"))
+
+
+@pytest.fixture(scope="module")
+def llms(ckpt):
+    """(eager, compiled, warm-up report); both LLMs seeded alike."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    eager = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
+    fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
+    warm = {"tree": fast.warmup(TREE, batch_sizes=(1,)), "chain": fast.warmup(CHAIN, batch_sizes=(1,))}
+    yield eager, fast, warm
+    torch.set_num_threads(n)
+
+
+def test_warmup_compiles_a_few_graphs(llms):
+    _, _, warm = llms
+    # target: one node (decode) and D nodes (verify); drafter: one node (root, chain
+    # steps) and several (tree frontier, extend). The chain after the tree needs nothing new.
+    assert 1 <= warm["tree"]["graphs"] <= 4
+    assert warm["chain"]["graphs"] == 0
+
+
+@pytest.mark.parametrize("spec", [None, TREE, CHAIN], ids=["plain", "tree", "chain"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_compiled_greedy_equals_eager_without_recompiling(llms, spec, batch):
+    eager, fast, _ = llms
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    before = compilations()
+    ours = [o.token_ids for o in fast.generate(PROMPTS[:batch], params, spec=spec)]
+    ref = [o.token_ids for o in eager.generate(PROMPTS[:batch], params, spec=spec)]
+    assert ours == ref
+    assert compilations() == before, "a compiled step recompiled after warm-up"
+    assert fast.engine.cache.tables == {}
+
+
+def test_compile_flag_is_checked():
+    from branchspec.config import EngineConfig
+
+    with pytest.raises(TypeError, match="EngineConfig.compile"):
+        EngineConfig(compile="yes")
