@@ -25,6 +25,16 @@ from branchspec.train.losses import train_steps  # noqa: E402
 ARCHS = {"plain": lambda: tiny_config(), "v4": lambda: tiny_v4_config(index_num_heads=8)}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (tiny matmuls gain nothing from a second one, and
+    shared cores lose a lot to contention); restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session", params=sorted(ARCHS))
 def tiny64(request):
     """A random float64 tiny model with weights large enough for peaked, tie-free scores."""
@@ -76,3 +86,4 @@ def trained_ckpt(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("trained")
     save_checkpoint(model.double(), folder)
     return folder
+

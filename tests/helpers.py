@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from branchspec.cache.paged import PagedState
+from branchspec.config import tiny_config
+from branchspec.data.tokenizer import train_tokenizer
 from branchspec.model.metadata import chain_meta
+from branchspec.model.weights import random_model, save_checkpoint
 
 
 def new_cache(model, max_seqs: int = 4, page_size: int = 4, max_len: int = 1024) -> PagedState:
@@ -53,3 +58,14 @@ def state_diff(a: dict, b: dict) -> dict[str, float]:
         else:
             out[key] = (a[key] - b[key]).abs().max().item() if a[key].numel() else 0.0
     return out
+
+
+def checkpoint_with_tokenizer(folder: Path, corpus: list[str], seed: int = 1) -> Path:
+    """A tiny random model (weights large enough for peaked outputs) with a small BPE
+    tokenizer trained on `corpus`, saved in `folder`, so text prompts and chat work."""
+    tok = train_tokenizer(corpus, vocab_size=300)
+    cfg = tiny_config(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
+                      pad_token_id=tok.pad_id)
+    save_checkpoint(random_model(cfg, seed=seed, std=0.3), folder)
+    tok.save(folder)
+    return folder

@@ -4,7 +4,6 @@ engine leaks neither pages nor state across requests, preemption included."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
 from branchspec.engine.engine import Engine
@@ -16,13 +15,8 @@ CHAIN = SpecConfig.chain(4)
 PROMPTS = [[5, 9, 13, 2, 40], [7, 7, 21], list(range(3, 20)), [33]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: a second thread only adds contention on shared cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny matmuls: a second thread only adds contention on shared cores.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import torch
 from branchspec import cli
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
 from branchspec.data.chat import ASSISTANT, USER, render_chat
-from branchspec.data.tokenizer import train_tokenizer
 from branchspec.engine.engine import Engine
 from branchspec.llm import LLM
-from branchspec.model.weights import random_model, save_checkpoint
+from helpers import checkpoint_with_tokenizer
+from branchspec.model.weights import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 CORPUS = ["The quick brown fox jumps over the lazy dog. ", "def add(a, b):\n    return a + b\n",
@@ -28,23 +28,13 @@ CORPUS = ["The quick brown fox jumps over the lazy dog. ", "def add(a, b):\n    
 NORMAL = [[5, 9, 13, 2, 40], [7, 7, 21, 8]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny matmuls: a second thread only adds contention on shared cores.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """A tiny random model with a small trained tokenizer, so text and chat work."""
-    tok = train_tokenizer(CORPUS, vocab_size=300)
-    cfg = tiny_config(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
-                      pad_token_id=tok.pad_id)
-    folder = save_checkpoint(random_model(cfg, seed=1, std=0.3), tmp_path_factory.mktemp("tiny_tok"))
-    tok.save(folder)
-    return folder
+    return checkpoint_with_tokenizer(tmp_path_factory.mktemp("tiny_tok"), CORPUS)
 
 
 def normal_params() -> SamplingParams:

@@ -22,13 +22,8 @@ ATOL = 1e-9
 NORMAL = [[5, 9, 13, 2, 40], [7, 7, 21, 8]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: a second thread only adds contention on shared cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny matmuls: a second thread only adds contention on shared cores.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

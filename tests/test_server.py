@@ -26,15 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from branchspec import cli
-from branchspec.config import SamplingParams, SpecConfig, tiny_config
+from branchspec.config import SamplingParams, SpecConfig
 from branchspec.data.chat import render_chat
-from branchspec.data.tokenizer import train_tokenizer
 from branchspec.llm import LLM
-from branchspec.model.weights import random_model, save_checkpoint
+from helpers import checkpoint_with_tokenizer
 from branchspec.serve.app import ServerState
 from branchspec.serve.server import ThreadedServer
 
@@ -53,22 +51,13 @@ PROMPTS = ["The quick brown", "def add(a, b):", "Question: What is 3 + 4?\nAnswe
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny matmuls: a second thread only adds contention on shared cores.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    tok = train_tokenizer(CORPUS, vocab_size=300)
-    cfg = tiny_config(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
-                      pad_token_id=tok.pad_id)
-    folder = save_checkpoint(random_model(cfg, seed=1, std=0.3), tmp_path_factory.mktemp("serve_ckpt"))
-    tok.save(folder)
-    return folder
+    return checkpoint_with_tokenizer(tmp_path_factory.mktemp("serve_ckpt"), CORPUS)
 
 
 def new_llm(ckpt, batch: int = 8) -> LLM:

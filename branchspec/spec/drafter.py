@@ -54,7 +54,7 @@ class MTPDrafter:
               committed: LayerState, spec: SpecConfig) -> DraftTree:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
         committed: the drafter's KV for positions < L (from the paged pool)."""
-        model, k, D = self.model, spec.topk, spec.num_draft_tokens
+        k, D = spec.topk, spec.num_draft_tokens
         B = root_ids.shape[0]
         device = root_ids.device
         bidx = torch.arange(B, device=device)[:, None]
