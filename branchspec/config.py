@@ -262,20 +262,27 @@ class ModelConfig:
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
         """Read `folder/config.json`; every ConfigError names that file."""
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {folder}")
-        try:
-            d = json.loads(path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        _require(isinstance(d, dict),
-                 f"{path} must hold a JSON object ({{\"vocab_size\": ..., ...}}), got a JSON "
-                 f"{_JSON_TYPE_NAMES.get(type(d), type(d).__name__)}")
+        d = read_config_json(folder)
         try:
             return cls.from_dict(d)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from e
+            raise ConfigError(f"{Path(folder) / 'config.json'}: {e}") from e
+
+
+def read_config_json(folder: str | Path) -> dict:
+    """`folder/config.json` as a dict, whatever format it describes: FileNotFoundError when
+    absent, ConfigError naming the file when it is not JSON or not a JSON object."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    try:
+        d = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    _require(isinstance(d, dict),
+             f"{path} must hold a JSON object ({{\"vocab_size\": ..., ...}}), got a JSON "
+             f"{_JSON_TYPE_NAMES.get(type(d), type(d).__name__)}")
+    return d
 
 
 def tiny_config(**overrides) -> ModelConfig:

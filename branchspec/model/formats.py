@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from branchspec.config import ConfigError, ModelConfig, _config_float, _config_int
+from branchspec.config import ConfigError, ModelConfig, _config_float, _config_int, read_config_json
 
 FORMAT_BRANCHSPEC = "branchspec"
 FORMAT_HF = "huggingface"
@@ -58,20 +58,6 @@ class CheckpointError(ValueError):
 
 
 # -- folder and config.json ---------------------------------------------------------------
-
-
-def read_config_json(folder: str | Path) -> dict:
-    """``folder/config.json`` as a dict; the errors ``ModelConfig.load`` gives otherwise."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {folder}")
-    try:
-        d = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(d, dict):
-        ModelConfig.load(folder)   # raises its "must hold a JSON object" error
-    return d
 
 
 def config_format(d: dict) -> str:
@@ -367,6 +353,18 @@ _HF_ORIGIN = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers"
               "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"}
 
 
+def _shared_v4_fields(f: _Fields, kw: dict) -> None:
+    """The fields both formats spell alike: grouped output, hyper-connections, expert count."""
+    kw["o_groups"] = f.int("o_groups")
+    kw["o_lora_rank"] = f.int("o_lora_rank")
+    kw["hc_mult"] = f.int("hc_mult")
+    kw["hc_sinkhorn_iters"] = f.int("hc_sinkhorn_iters", 20)
+    kw["hc_eps"] = f.float("hc_eps", 1e-6)
+    kw["num_experts"] = f.int("n_routed_experts")
+    if kw["num_experts"] < 1:
+        raise f.error(f"n_routed_experts must be >= 1 (every DeepSeek-V4 layer is MoE), got {kw['num_experts']}")
+
+
 def _hf_config(d: dict, source: str = "config.json",
                tensor_names: Iterable[str] | None = None) -> tuple[dict, ConfigExtras]:
     f = _Fields(d, source)
@@ -402,14 +400,7 @@ def _hf_config(d: dict, source: str = "config.json",
     kw["num_mtp_layers"] = _num_mtp_layers(f, "num_nextn_predict_layers", 1, tensor_names)
     kw["compress_ratios"] = _hf_ratios(f, num_layers, kw["num_mtp_layers"])
     _hf_rope(f, kw)
-    kw["o_groups"] = f.int("o_groups")
-    kw["o_lora_rank"] = f.int("o_lora_rank")
-    kw["hc_mult"] = f.int("hc_mult")
-    kw["hc_sinkhorn_iters"] = f.int("hc_sinkhorn_iters", 20)
-    kw["hc_eps"] = f.float("hc_eps", 1e-6)
-    kw["num_experts"] = f.int("n_routed_experts")
-    if kw["num_experts"] < 1:
-        raise f.error(f"n_routed_experts must be >= 1 (every DeepSeek-V4 layer is MoE), got {kw['num_experts']}")
+    _shared_v4_fields(f, kw)
     kw["num_experts_per_tok"] = f.int("num_experts_per_tok")
     n_shared = f.int("n_shared_experts", 1)
     if n_shared != 1:
@@ -509,14 +500,7 @@ def _deepseek_config(d: dict, source: str = "config.json",
         kw["yarn_original_max_position"] = original
         kw["yarn_beta_fast"] = f.float("beta_fast", 32.0)
         kw["yarn_beta_slow"] = f.float("beta_slow", 1.0)
-    kw["o_groups"] = f.int("o_groups")
-    kw["o_lora_rank"] = f.int("o_lora_rank")
-    kw["hc_mult"] = f.int("hc_mult")
-    kw["hc_sinkhorn_iters"] = f.int("hc_sinkhorn_iters", 20)
-    kw["hc_eps"] = f.float("hc_eps", 1e-6)
-    kw["num_experts"] = f.int("n_routed_experts")
-    if kw["num_experts"] < 1:
-        raise f.error(f"n_routed_experts must be >= 1 (every DeepSeek-V4 layer is MoE), got {kw['num_experts']}")
+    _shared_v4_fields(f, kw)
     kw["num_experts_per_tok"] = f.int("n_activated_experts")
     kw["num_shared_experts"] = f.int("n_shared_experts", 1)
     kw["scoring_func"] = f.str("score_func", "sqrtsoftplus")
