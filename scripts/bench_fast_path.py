@@ -1,5 +1,6 @@
 """Eager against compiled, side by side in one run: v4-mini (the embedded checkpoint),
-plain decoding, a D=8 chain and a 4x2 D=8 tree, at batch 1 and 64.
+plain decoding, a D=8 chain and a 4x2 D=8 tree, at batch 1, 4, 16 and 64, with each
+speculative configuration's speedup over plain decoding on the same path.
 
 Warms the compiled LLM first (and reports how long that took and how many graphs it
 compiled), then times each configuration on both paths (best of two calls, after one
@@ -50,17 +51,22 @@ def main() -> None:
     warmup = {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs}
     eager = LLM(seed=0, max_batch_size=64)
     rows, graphs = [], compilations()
-    for batch in (1, 64):
-        params = SamplingParams(max_tokens=48 if batch == 1 else 32, ignore_eos=True)
+    for batch in (1, 4, 16, 64):
+        params = SamplingParams(max_tokens=48 if batch <= 4 else 32, ignore_eos=True)
+        plain = None
         for name, spec in SPECS:
             e, c = timed(eager, [PROMPT] * batch, params, spec), timed(fast, [PROMPT] * batch, params, spec)
+            plain = plain or (e[1], c[1])
             rows.append({"config": name, "batch": batch, "eager_ms": e[0], "eager_tok_s": e[1],
-                         "compiled_ms": c[0], "compiled_tok_s": c[1], "same_tokens": e[2] == c[2]})
+                         "compiled_ms": c[0], "compiled_tok_s": c[1], "same_tokens": e[2] == c[2],
+                         "eager_speedup": e[1] / plain[0], "compiled_speedup": c[1] / plain[1]})
     print(f"warm-up: {warmup['graphs']} graphs in {warmup['seconds']:.1f} s")
-    print(f"{'config':14} {'batch':>5} {'eager ms':>9} {'tok/s':>7} {'compiled ms':>12} {'tok/s':>7}  same tokens")
+    print(f"{'config':14} {'batch':>5} {'eager ms':>9} {'tok/s':>7} {'vs plain':>8} {'compiled ms':>12} "
+          f"{'tok/s':>7} {'vs plain':>8}  same tokens")
     for r in rows:
         print(f"{r['config']:14} {r['batch']:5d} {r['eager_ms']:9.2f} {r['eager_tok_s']:7.0f} "
-              f"{r['compiled_ms']:12.2f} {r['compiled_tok_s']:7.0f}  {r['same_tokens']}")
+              f"{r['eager_speedup']:7.2f}x {r['compiled_ms']:12.2f} {r['compiled_tok_s']:7.0f} "
+              f"{r['compiled_speedup']:7.2f}x  {r['same_tokens']}")
     print(json.dumps({"threads": torch.get_num_threads(), "warmup": warmup,
                       "graphs_after_warmup": compilations() - graphs, "rows": rows}))
 
