@@ -4,6 +4,8 @@ them touches the isolation problem; they are what real V4 checkpoints need."""
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import torch
@@ -170,14 +172,37 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, d]; indices, weights: [T, k] -> sum of each token's k weighted experts [T, d].
 
-        One pass per expert that some token chose, over exactly those tokens.
+        The T*k (token, expert) pairs are sorted by expert, so each chosen expert runs once
+        over a contiguous slice of its tokens; experts no token chose are skipped.
         """
-        out = torch.zeros_like(x)
-        for e in torch.unique(indices).tolist():
-            tok, slot = (indices == e).nonzero(as_tuple=True)
-            y = swiglu(x[tok], self.w1[e], self.w2[e], self.w3[e], self.limit)
-            out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
-        return out
+        T, k = indices.shape
+        if T * k <= 4:
+            return self._few_tokens(x, indices, weights)
+        order = indices.flatten().argsort(stable=True)                  # [T*k] pairs grouped by expert
+        counts = torch.bincount(indices.flatten(), minlength=self.w1.shape[0]).tolist()
+        tok = order // k
+        xs = x[tok]                                                      # [T*k, d]
+        ys, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                ys.append(swiglu(xs[start:start + count], self.w1[e], self.w2[e], self.w3[e], self.limit))
+                start += count
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        y = y * weights.flatten()[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+    def _few_tokens(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Decode at batch 1: each token's experts one by one, without sorting or scattering
+        (half the tensor ops of the grouped path, which is what a one-token step costs)."""
+        rows = []
+        for t, experts in enumerate(indices.tolist()):
+            row, acc = x[t:t + 1], None
+            for slot, e in enumerate(experts):
+                y = swiglu(row, self.w1[e], self.w2[e], self.w3[e], self.limit)
+                y = y * weights[t:t + 1, slot:slot + 1].to(y.dtype)
+                acc = y if acc is None else acc + y
+            rows.append(acc.to(x.dtype))
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 class MoE(nn.Module):
@@ -212,6 +237,12 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tenso
     return F.linear(unit_rms(flat, eps), fn)
 
 
+@functools.cache
+def _hc_scale_index(n: int) -> torch.Tensor:
+    """Which of the three scales each mix row takes: pre (n rows), post (n), comb (n x n)."""
+    return torch.tensor([0] * n + [1] * n + [2] * (n * n))
+
+
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One mHC site before a sub-block: streams [..., n, d] -> (sub-block input [..., d],
@@ -219,24 +250,25 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
     pre and post are sigmoid gates; comb is projected towards a doubly-stochastic matrix by
     Sinkhorn-Knopp (columns first, then rows and columns), so mixing keeps the streams' scale.
+    Written in few tensor ops: at decode every op is dispatch overhead, and a model has
+    two sites per layer.
     """
     n, eps = cfg.hc_mult, cfg.hc_eps
-    pre, post, comb = hc_mixes(streams, fn, cfg.norm_eps).split([n, n, n * n], dim=-1)
-    b_pre, b_post, b_comb = base.split([n, n, n * n])
-    pre = torch.sigmoid(pre * scale[0] + b_pre) + eps
-    post = 2 * torch.sigmoid(post * scale[1] + b_post)
-    comb = torch.softmax(comb.unflatten(-1, (n, n)) * scale[2] + b_comb.view(n, n), dim=-1) + eps
+    mixes = hc_mixes(streams, fn, cfg.norm_eps) * scale[_hc_scale_index(n)] + base   # [..., (2+n) n]
+    gates = torch.sigmoid(mixes[..., :2 * n])
+    pre, post = gates[..., :n] + eps, 2 * gates[..., n:]
+    comb = torch.softmax(mixes[..., 2 * n:].unflatten(-1, (n, n)), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(cfg.hc_sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return (pre.unsqueeze(-1) * streams).sum(dim=-2), post, comb
+    return (pre.unsqueeze(-2) @ streams).squeeze(-2), post, comb
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Sub-block output [..., d] back into the streams: stream k gets post[k] * out plus
     sum_j comb[j, k] * streams[j]."""
-    return post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+    return torch.addcmul(comb.transpose(-1, -2) @ streams, post.unsqueeze(-1), out.unsqueeze(-2))
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
