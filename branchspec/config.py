@@ -322,6 +322,25 @@ def v4_mini_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def v4_mini_v2_config(**overrides) -> ModelConfig:
+    """v4-mini in DeepSeek-V4's full architecture, sized to decode on a CPU at batch 1 within
+    1.5x of v4-mini: YaRN on the compressed layers' RoPE, grouped output projection (2
+    groups), two mHC streams, and a small MoE (4 routed experts, top 2, one shared expert,
+    hash routing in the first layer, the swiglu clamp) in place of the dense FFN.
+
+    Sinkhorn runs 4 iterations instead of V4's 20: with two streams the mixing matrix is
+    2 x 2 and settles within a few, and at decode each iteration is six tensor ops at each
+    of the 13 mHC sites.
+    """
+    base = dict(compress_rope_theta=160000.0, yarn_factor=16.0, yarn_original_max_position=128,
+                o_groups=2, o_lora_rank=128, hc_mult=2, hc_sinkhorn_iters=4,
+                num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_hidden=256,
+                scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, num_hash_layers=1,
+                swiglu_limit=10.0)
+    base.update(overrides)
+    return v4_mini_config(**base)
+
+
 def check_int(owner: str, name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     """An integer argument (bools and floats refused, numpy integers accepted) within bounds.
 

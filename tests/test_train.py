@@ -1,6 +1,7 @@
 """Training: the losses fall on learnable data, the trainer exports a loadable checkpoint,
 resuming continues exactly, and the LR schedule has the promised shape."""
 
+import dataclasses
 import json
 import math
 
@@ -88,3 +89,55 @@ def test_train_config_errors():
         TrainConfig(model="huge")
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+
+
+def test_resume_from_the_compact_pack(trained_run, tmp_path, mbpp_path):
+    """Without state.pt (a fresh clone of a repository that keeps only the pack), a run
+    resumes from resume.safetensors + resume.json: the weights and the sampler where they
+    were, Adam's moments rebuilt at learning rate 0, and the sittings recorded."""
+    from safetensors.torch import load_file
+
+    cfg = _small(tmp_path, 4, mbpp_path)
+    assert train(cfg, progress=False, stop_after=2) is None
+    saved = load_file(str(tmp_path / "resume.safetensors"))
+    record = json.loads((tmp_path / "resume.json").read_text())
+    assert record["step"] == 2 and len(record["history"]) == 2
+    (tmp_path / "state.pt").unlink()
+    folder = train(dataclasses.replace(cfg, reestimate_steps=2), resume=True, progress=False)
+    info = json.loads((folder / "training.json").read_text())
+    assert info["steps"] == 4 and [s["resumed_from"] for s in info["sittings"]] == [None, "pack"]
+    assert info["sittings"][1]["reestimated_steps"] == 2 and info["sittings"][1]["start_step"] == 2
+    # The resumed run started from the saved weights, not from a fresh initialisation.
+    fresh = TrainConfig(**{**dataclasses.asdict(cfg), "out": str(tmp_path / "other")})
+    assert train(fresh, progress=False, stop_after=1) is None
+    other = load_file(str(tmp_path / "other" / "resume.safetensors"))
+    assert any(not torch.equal(saved[k], other[k]) for k in saved)
+
+
+def test_train_config_refuses_unknown_sources_and_precisions():
+    with pytest.raises(ValueError, match="unknown mix source"):
+        TrainConfig(mix={"gsm8k": 1.0, "wikipedia": 1.0})
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp8")
+    with pytest.raises(ValueError, match="mix weights"):
+        TrainConfig(mix={"gsm8k": 0.0})
+
+
+def test_python_source_corpus_reads_the_standard_library_without_tests(tmp_path):
+    from branchspec.train.corpora import corpus_fingerprint, python_source_documents, python_source_files
+
+    (tmp_path / "pkg" / "tests").mkdir(parents=True)
+    (tmp_path / "pkg" / "mod.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "pkg" / "tests" / "test_mod.py").write_text("assert True\n")
+    (tmp_path / "bad.py").write_bytes(b"\xff\xfe not utf-8")
+    assert [p.name for p in python_source_files(tmp_path)] == ["bad.py", "mod.py"]
+    assert list(python_source_documents(tmp_path)) == ["def f():\n    return 1\n"]
+    info = corpus_fingerprint("pycode")
+    assert info["licence"] == "PSF-2.0" and info["files"] > 100
+
+
+def test_bf16_choice_is_a_cpu_check():
+    from branchspec.train.trainer import bf16_is_fast, resolve_precision
+
+    assert resolve_precision("float32") == "float32"
+    assert resolve_precision("auto") == ("bfloat16" if bf16_is_fast() else "float32")

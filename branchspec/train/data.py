@@ -15,6 +15,7 @@ import torch
 
 from branchspec.data.tokenizer import Tokenizer
 from branchspec.data.workloads import load_workload, training_text
+from branchspec.train.corpora import CORPORA, corpus_text
 
 
 def _stream(tok: Tokenizer, docs, max_chars: int | None) -> np.ndarray:
@@ -29,6 +30,13 @@ def _stream(tok: Tokenizer, docs, max_chars: int | None) -> np.ndarray:
     return np.asarray(flat, dtype=np.int32)
 
 
+def documents(name: str, mbpp_path: str | None = None):
+    """Training documents of a workload's train split or of an extra corpus (corpora.py)."""
+    if name in CORPORA:
+        return corpus_text(name)
+    return training_text(name, mbpp_path=mbpp_path)
+
+
 def eval_documents(name: str, mbpp_path: str | None = None):
     return (ex.document() for ex in load_workload(name, "eval", mbpp_path=mbpp_path))
 
@@ -41,8 +49,10 @@ class Streams:
     @classmethod
     def build(cls, tok: Tokenizer, workloads: tuple[str, ...], max_chars: dict[str, int | None],
               mbpp_path: str | None = None, eval_chars: int = 400_000) -> "Streams":
-        train = {w: _stream(tok, training_text(w, mbpp_path=mbpp_path), max_chars.get(w)) for w in workloads}
-        evals = {w: _stream(tok, eval_documents(w, mbpp_path), eval_chars) for w in workloads}
+        train = {w: _stream(tok, documents(w, mbpp_path), max_chars.get(w)) for w in workloads}
+        # Extra corpora are training text only; held-out numbers are the workloads'.
+        evals = {w: _stream(tok, eval_documents(w, mbpp_path), eval_chars) for w in workloads
+                 if w not in CORPORA}
         return cls(train, evals)
 
 

@@ -18,15 +18,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from branchspec.config import ModelConfig, tiny_config, v4_mini_config
+from branchspec.config import ModelConfig, tiny_config, v4_mini_config, v4_mini_v2_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
-from branchspec.data.workloads import training_text
 from branchspec.model.model import Transformer
 from branchspec.model.weights import init_weights, save_checkpoint
-from branchspec.train.data import BatchSampler, Streams, eval_windows
+from branchspec.train.corpora import CORPORA, corpus_fingerprint
+from branchspec.train.data import BatchSampler, Streams, documents, eval_windows
 from branchspec.train.losses import lm_losses
 
-MODEL_PRESETS = {"v4-mini": v4_mini_config, "tiny": tiny_config}
+MODEL_PRESETS = {"v4-mini": v4_mini_config, "v4-mini-v2": v4_mini_v2_config, "tiny": tiny_config}
+PRECISIONS = ("auto", "float32", "bfloat16")
+TRAINABLE = ("gsm8k", "mbpp", "sharegpt", *CORPORA)
 
 
 @dataclass
@@ -51,6 +53,17 @@ class TrainConfig:
     max_chars: dict = field(default_factory=lambda: {"sharegpt": 16_000_000})
     tokenizer_chars: int = 8_000_000
     mbpp_path: str | None = None
+    # A folder whose tokenizer.json to reuse (keeps per-token perplexity comparable).
+    tokenizer_from: str | None = None
+    # Autocast precision of the training step; "auto" takes bfloat16 only where the CPU
+    # multiplies it natively (AMX or AVX512-BF16), see `bf16_is_fast`. Evaluation is float32.
+    precision: str = "auto"
+    # After a resume from the compact pack (weights only), Adam's moments are rebuilt over
+    # this many batches at learning rate 0 before training goes on.
+    reestimate_steps: int = 20
+    # torch.compile the model's forward for training (inductor; graph breaks at the MoE's
+    # data-dependent expert loop). Evaluation and the exported weights are unaffected.
+    compile: bool = False
 
     def __post_init__(self):
         if self.model not in MODEL_PRESETS:
@@ -58,6 +71,13 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "save_every", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose from {PRECISIONS}")
+        unknown = set(self.mix) - set(TRAINABLE)
+        if unknown:
+            raise ValueError(f"unknown mix source(s) {sorted(unknown)}; choose from {list(TRAINABLE)}")
+        if not self.mix or any(not (w >= 0) for w in self.mix.values()) or sum(self.mix.values()) <= 0:
+            raise ValueError(f"mix weights must be non-negative with a positive sum, got {self.mix}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
 
@@ -72,11 +92,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def _tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
     if (out / "tokenizer.json").is_file():
         return Tokenizer.from_dir(out)
+    if cfg.tokenizer_from is not None:
+        tok = Tokenizer.from_dir(cfg.tokenizer_from)
+        tok.save(out)
+        return tok
 
     def sample():
         for name in cfg.mix:
             chars = 0
-            for doc in training_text(name, mbpp_path=cfg.mbpp_path):
+            for doc in documents(name, cfg.mbpp_path):
                 yield doc
                 chars += len(doc)
                 if chars >= cfg.tokenizer_chars / len(cfg.mix):
@@ -84,6 +108,49 @@ def _tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
     tok = train_tokenizer(sample(), vocab_size=cfg.vocab_size)
     tok.save(out)
     return tok
+
+
+def bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16). Without either,
+    oneDNN emulates bf16 and a matmul runs far slower than in float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_precision(precision: str) -> str:
+    if precision == "auto":
+        return "bfloat16" if bf16_is_fast() else "float32"
+    return precision
+
+
+# -- the compact resume pack ----------------------------------------------------------------
+#
+# state.pt (weights, Adam moments, sampler) resumes exactly but is three times the weights;
+# the pack is what a run keeps in a repository so that it can continue on another machine:
+# float32 weights plus JSON (step, sampler state, history). Adam's moments are not kept: a
+# resume rebuilds them over `reestimate_steps` batches at learning rate 0 (beta2 = 0.95
+# forgets in about 20 steps anyway).
+
+PACK_WEIGHTS, PACK_STATE = "resume.safetensors", "resume.json"
+
+
+def save_pack(out: Path, model: Transformer, record: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = out / (PACK_WEIGHTS + ".tmp")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    tmp.replace(out / PACK_WEIGHTS)
+    (out / PACK_STATE).write_text(json.dumps(record) + "\n")
+
+
+def load_pack(out: Path, model: Transformer) -> dict:
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(out / PACK_WEIGHTS)))
+    return json.loads((out / PACK_STATE).read_text())
 
 
 @torch.no_grad()
@@ -134,8 +201,10 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
           progress: bool = True, stop_after: int | None = None) -> Path | None:
     """Run (or resume) training; returns the exported checkpoint folder.
 
-    `stop_after` ends this run after that many steps (state saved, nothing exported, None
-    returned) without changing the schedule, so a long run can be split across sittings."""
+    `resume` continues from OUT/state.pt (exact: weights, Adam moments, sampler), else
+    from OUT's compact pack (weights and sampler; moments rebuilt). `stop_after` ends this
+    run after that many steps (state saved, nothing exported, None returned) without
+    changing the schedule, so a long run can be split across sittings and machines."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -151,21 +220,60 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    precision = resolve_precision(cfg.precision)
+    if cfg.compile:
+        model.forward = torch.compile(model.forward)
     state_path = out / "state.pt"
-    step, history, evals, elapsed = 0, [], [], 0.0
+    step, history, evals, elapsed, sittings = 0, [], [], 0.0, []
+    reestimate = 0
     if resume and state_path.is_file():
         st = torch.load(state_path, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         sampler.set_state(st["sampler"])
         step, history, evals, elapsed = st["step"], st["history"], st["evals"], st["elapsed"]
+        sittings = st.get("sittings", [])
+    elif resume and (out / PACK_STATE).is_file():
+        st = load_pack(out, model)
+        sampler.set_state(st["sampler"])
+        step, history, evals, elapsed = st["step"], st["history"], st["evals"], st["elapsed"]
+        sittings = st.get("sittings", [])
+        reestimate = cfg.reestimate_steps
     (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     setup_seconds = time.perf_counter() - t_setup
+    sitting = {"start_step": step, "precision": precision, "compile": cfg.compile, "threads": torch.get_num_threads(),
+               "cpu": _cpu_name(), "torch": torch.__version__, "resumed_from": (
+                   "state.pt" if resume and state_path.is_file() else "pack" if reestimate else None)}
+    sittings.append(sitting)
+
+    def record() -> dict:
+        return {"step": step, "sampler": sampler.state(), "history": history, "evals": evals,
+                "elapsed": elapsed, "sittings": sittings}
 
     def save_state():
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "sampler": sampler.state(),
-                    "step": step, "history": history, "evals": evals, "elapsed": elapsed}, state_path)
+        sitting.update(end_step=step)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **record()}, state_path)
+        save_pack(out, model, record())
         plot_losses(history, evals, out / "loss.png")
+
+    def losses(ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            main, nxt = lm_losses(model, ids)
+        return main, nxt
+
+    if reestimate:
+        # Rebuild Adam's moments at learning rate 0 on batches from a side stream, so the
+        # weights and the training sampler's stream stay where the pack left them.
+        side = BatchSampler(streams.train, cfg.mix, cfg.batch_size, cfg.seq_len, cfg.seed + 1_000_003 + step)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        for _ in range(reestimate):
+            main, nxt = losses(next(side))
+            opt.zero_grad(set_to_none=True)
+            (main + cfg.mtp_weight * nxt).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        sitting["reestimated_steps"] = reestimate
 
     bar = None
     if progress:
@@ -173,49 +281,89 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step")
     tokens_per_step = cfg.batch_size * cfg.seq_len
     end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
-    while step < end:
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        ids = next(sampler)
-        main, nxt = lm_losses(model, ids)
-        loss = main + cfg.mtp_weight * nxt
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-        opt.step()
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        step += 1
-        history.append({"step": step, "loss": main.item(), "mtp_loss": nxt.item(), "lr": lr_at(step - 1, cfg),
-                        "grad_norm": grad_norm, "tok_per_s": tokens_per_step / dt})
-        if bar is not None:
-            bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{nxt.item():.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
-            bar.update(1)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            evals.append({"step": step, "report": evaluate(model, windows)})
-            with open(out / "train_log.jsonl", "a") as f:
-                f.write(json.dumps(evals[-1]) + "\n")
-        if step % cfg.save_every == 0 or step == end:
-            save_state()
+
+    with _stop_on_sigterm() as stop_requested:
+        while step < end and not stop_requested():
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            main, nxt = losses(next(sampler))
+            loss = main + cfg.mtp_weight * nxt
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+            opt.step()
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            step += 1
+            history.append({"step": step, "loss": main.item(), "mtp_loss": nxt.item(), "lr": lr_at(step - 1, cfg),
+                            "grad_norm": grad_norm, "tok_per_s": tokens_per_step / dt})
+            if bar is not None:
+                bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{nxt.item():.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+                bar.update(1)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                evals.append({"step": step, "report": evaluate(model, windows)})
+                with open(out / "train_log.jsonl", "a") as f:
+                    f.write(json.dumps(evals[-1]) + "\n")
+            if step % cfg.save_every == 0 or step == end:
+                save_state()
+        if step % cfg.save_every != 0 and step != end:
+            save_state()    # stopped by SIGTERM between saves
     if bar is not None:
         bar.close()
     if step < cfg.steps:
         return None
 
     folder = Path(export) if export is not None else out / "checkpoint"
+    recent = history[-20:]
     info = {
         "model_config": model_cfg.to_dict(), "train_config": dataclasses.asdict(cfg), "steps": step,
         "tokens_seen": step * tokens_per_step, "train_seconds": round(elapsed, 1),
         "setup_seconds": round(setup_seconds, 1), "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "final_train_loss": sum(h["loss"] for h in history[-20:]) / max(1, len(history[-20:])),
-        "final_train_mtp_loss": sum(h["mtp_loss"] for h in history[-20:]) / max(1, len(history[-20:])),
+        "threads": torch.get_num_threads(), "precision": precision, "sittings": sittings,
+        "final_train_loss": sum(h["loss"] for h in recent) / max(1, len(recent)),
+        "final_train_mtp_loss": sum(h["mtp_loss"] for h in recent) / max(1, len(recent)),
         "held_out": evals[-1]["report"] if evals else {},
         "train_tokens_available": {w: int(len(s)) for w, s in streams.train.items()},
+        "corpora": {w: corpus_fingerprint(w) for w in streams.train if w in CORPORA},
     }
     save_checkpoint(model.eval(), folder, dtype="bfloat16", metadata={"training": info})
     tok.save(folder)
     (folder / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     plot_losses(history, evals, folder / "loss.png")
     return folder
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+class _stop_on_sigterm:
+    """Within the block, SIGTERM asks the loop to stop after the current step (state is
+    then saved) instead of killing the process mid-write. Main thread only."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.flag, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return lambda: self.flag
+
+    def _handle(self, signum, frame):
+        self.flag = True
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
