@@ -418,6 +418,90 @@ class SpecConfig:
         return cls(num_steps=d - 1, topk=1, num_draft_tokens=d)
 
 
+    @classmethod
+    def auto(cls, candidates=None, *, max_draft_tokens: int = 8, decay: float = 0.9,
+             prior_weight: float = 4.0) -> "AutoPolicy":
+        """Adaptive speculation: before each round the engine picks, from `candidates`
+        (SpecConfigs and None for plain decoding), the one with the most expected emitted
+        tokens per second for the running batch. None takes `default_candidates`."""
+        if candidates is None:
+            candidates = default_candidates(max_draft_tokens)
+        return AutoPolicy(candidates=tuple(candidates), decay=decay, prior_weight=prior_weight)
+
+
+# Tree shapes (num_steps, topk) the default candidate set holds at each budget D >= 4.
+AUTO_TREE_SHAPES = ((3, 2), (2, 3))
+
+
+def default_candidates(max_draft_tokens: int = 8) -> tuple["SpecConfig | None", ...]:
+    """No speculation, chains with D = 2..max_draft_tokens, and the trees of
+    `AUTO_TREE_SHAPES` at every D from 4 up (those valid at that D)."""
+    top = check_int("SpecConfig.auto", "max_draft_tokens", max_draft_tokens, minimum=2, maximum=16)
+    out: list[SpecConfig | None] = [None] + [SpecConfig.chain(d) for d in range(2, top + 1)]
+    for d in range(4, top + 1):
+        for steps, topk in AUTO_TREE_SHAPES:
+            try:
+                out.append(SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=d))
+            except ValueError:
+                pass
+    return tuple(out)
+
+
+def spec_label(spec: "SpecConfig | None") -> str:
+    """A short, stable name: ``none``, ``chain D=5``, ``tree 3x2 D=6``."""
+    if spec is None:
+        return "none"
+    if spec.is_chain:
+        return f"chain D={spec.num_draft_tokens}"
+    return f"tree {spec.num_steps}x{spec.topk} D={spec.num_draft_tokens}"
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """Speculation chosen per round (`SpecConfig.auto`). See `spec/policy.py`.
+
+    candidates: SpecConfigs, and None for a plain decode step; decay: how much of a
+    request's acceptance history one of its rounds keeps (0.9: about the last ten rounds);
+    prior_weight: how many of its own observations a request needs before they outweigh
+    the engine-wide acceptance statistics it starts from.
+    """
+
+    candidates: tuple[SpecConfig | None, ...]
+    decay: float = 0.9
+    prior_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        own = "SpecConfig.auto"
+        if not isinstance(self.candidates, tuple) or not self.candidates:
+            raise ValueError(f"{own}: candidates must be a non-empty list of SpecConfig or None")
+        for i, c in enumerate(self.candidates):
+            if c is not None and not isinstance(c, SpecConfig):
+                raise TypeError(f"{own}: candidates[{i}] must be a SpecConfig or None, got {type(c).__name__}")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"{own}: candidates hold duplicates")
+        decay = check_float(own, "decay", self.decay)
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"{own}.decay must be in (0, 1), got {decay}")
+        weight = check_float(own, "prior_weight", self.prior_weight)
+        if weight <= 0.0:
+            raise ValueError(f"{own}.prior_weight must be positive, got {weight}")
+        object.__setattr__(self, "decay", decay)
+        object.__setattr__(self, "prior_weight", weight)
+
+    @property
+    def speculative(self) -> tuple[SpecConfig, ...]:
+        return tuple(c for c in self.candidates if c is not None)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The largest verify budget among the candidates (1: plain decoding only)."""
+        return max((c.num_draft_tokens for c in self.speculative), default=1)
+
+    def check_model(self, vocab_size: int) -> None:
+        for c in self.speculative:
+            c.check_model(vocab_size)
+
+
 # Temperatures below this sample from a distribution indistinguishable from the argmax, and
 # dividing logits by them overflows: they decode greedily (vLLM's rule).
 GREEDY_TEMPERATURE = 1e-5

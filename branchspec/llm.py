@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from branchspec.config import MAX_SEED, EngineConfig, SamplingParams, SpecConfig, check_int
+from branchspec.config import MAX_SEED, AutoPolicy, EngineConfig, SamplingParams, SpecConfig, check_int
 from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
@@ -51,6 +51,10 @@ class GenerateStats:
     num_rounds: int = 0             # verify rounds summed over requests
     num_steps: int = 0              # batch-level decode steps / rounds
     accept_length: float = 0.0
+    # With SpecConfig.auto: batch rounds per configuration ("none", "chain D=4", "tree 3x2
+    # D=6", ...) and the seconds the policy spent deciding and learning.
+    spec_choices: dict[str, int] = field(default_factory=dict)
+    policy_seconds: float = 0.0
 
     @property
     def decode_throughput(self) -> float:
@@ -118,21 +122,29 @@ class LLM:
         known = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < known])
 
-    def warmup(self, spec: SpecConfig | None = None, batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
+    def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
         """Run short dummy generations at each batch size with `spec` (and plainly), so that
         a compiled LLM compiles every graph it needs now rather than mid-request. Batch 1 and
-        any batch of 2 or more cover all batch sizes. Returns {"seconds", "graphs"}; on an
-        eager LLM it only warms caches."""
+        any batch of 2 or more cover all batch sizes. With `SpecConfig.auto(...)` it also
+        measures (or loads) the round-cost calibration, and warms every candidate. Returns
+        {"seconds", "graphs"}; on an eager LLM it only warms caches."""
         from branchspec.engine.compiled import compilations
 
         self.engine.check_spec(spec)
         t0, graphs0 = time.perf_counter(), compilations()
-        # Long enough to cross a page of entries and finish rounds at every accept length.
-        params = SamplingParams(max_tokens=min(3 * (spec.num_draft_tokens if spec else 1) + 2, 32),
-                                ignore_eos=True, seed=0)
+        specs: list[SpecConfig | None] = [None]
+        if isinstance(spec, AutoPolicy):
+            self.engine.policy_runner(spec, progress=True)
+            if self.engine_config.compile:
+                specs += list(spec.speculative)
+        elif spec is not None:
+            specs.append(spec)
         prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
         for b in batch_sizes:
-            for s in ([None, spec] if spec is not None else [None]):
+            for s in specs:
+                # Long enough to cross a page of entries and finish rounds at every accept length.
+                params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
+                                        ignore_eos=True, seed=0)
                 self.generate([prompt] * b, params, spec=s)
         return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0}
 
@@ -192,7 +204,7 @@ class LLM:
     # -- generation -------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 spec: SpecConfig | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 spec: SpecConfig | AutoPolicy | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; spec=None decodes plainly. Outputs keep prompt order.
 
         Every prompt, parameter and the spec are checked before any request runs; a bad
@@ -204,7 +216,7 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             spec: SpecConfig | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             spec: SpecConfig | AutoPolicy | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render each conversation ([{"role", "content"}, ...]) with the checkpoint's chat
         template, ending in the assistant's turn, and generate. Role markers typed inside
         content stay text."""
@@ -221,7 +233,7 @@ class LLM:
             encoded.append(self.tokenizer.encode_chat(conversation, add_generation_prompt=True))
         return self._run(encoded, self._params_list(sampling_params, len(batch)), spec, use_tqdm)
 
-    def _run(self, encoded: list[list[int]], params_list: list[SamplingParams], spec: SpecConfig | None,
+    def _run(self, encoded: list[list[int]], params_list: list[SamplingParams], spec: SpecConfig | AutoPolicy | None,
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         engine.check_spec(spec)
@@ -231,6 +243,9 @@ class LLM:
             raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
         engine.runner.timer.reset()
         steps_before = engine.num_steps
+        policy = engine.policy_runner(spec) if isinstance(spec, AutoPolicy) else None
+        choices_before = dict(policy.counts) if policy is not None else {}
+        policy_seconds_before = policy.decide_seconds if policy is not None else 0.0
         seqs = [engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
         bar = None
         if use_tqdm:
@@ -247,6 +262,10 @@ class LLM:
                 bar.close()
         elapsed = time.perf_counter() - t_start
         self.last_stats = self._stats(engine, seqs, elapsed, engine.num_steps - steps_before)
+        if policy is not None:
+            self.last_stats.spec_choices = {k: v - choices_before.get(k, 0) for k, v in policy.counts.items()
+                                            if v - choices_before.get(k, 0) > 0}
+            self.last_stats.policy_seconds = policy.decide_seconds - policy_seconds_before
         return [self._output(s) for s in seqs]
 
     @staticmethod

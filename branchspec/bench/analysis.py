@@ -88,7 +88,7 @@ def compare(cells: list[CellResult]) -> list[Comparison]:
     in the order the cells ran."""
     groups: dict[tuple[str, int, int], dict[str, list[CellResult]]] = {}
     for c in cells:
-        if c.kind == "baseline":
+        if c.kind not in ("chain", "tree"):
             continue
         g = groups.setdefault((c.workload, c.batch_size, c.D), {"chain": [], "tree": []})
         g[c.kind].append(c)
@@ -119,7 +119,7 @@ class AcceptRow:
 def accept_table(cells: list[CellResult]) -> list[AcceptRow]:
     by_shape: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for c in cells:
-        if c.kind != "baseline":
+        if c.kind in ("chain", "tree"):
             by_shape[(c.workload, c.D)][c.shape].append(c.accept_length)
     rows = []
     for (w, d), shapes in by_shape.items():
@@ -185,6 +185,7 @@ def summary(cells: list[CellResult], comparisons: list[Comparison], config: dict
                key=lambda c: c.throughput_ratio, default=None)
     spec_cells = [c for c in cells if c.kind != "baseline"]
     mismatches = sum(1 for c in spec_cells if c.matches_baseline is False)
+    policy = policy_table(cells)
     return {
         "benchmark": "branchspec.bench",
         "num_cells": len(cells),
@@ -198,7 +199,66 @@ def summary(cells: list[CellResult], comparisons: list[Comparison], config: dict
             "shape": best.best_tree.shape, "gain": _round(best.throughput_ratio - 1)},
         "max_speedup_vs_baseline": _round(max((c.speedup or 0.0 for c in spec_cells), default=None)),
         "greedy_output_mismatches": mismatches,
+        **({"policy": policy_summary(policy)} if policy else {}),
     }
+
+
+@dataclass
+class PolicyRow:
+    """The adaptive policy in one (workload, batch size) against the best fixed
+    configuration there (by throughput, over every D and shape) and plain decoding."""
+
+    workload: str
+    batch_size: int
+    auto: CellResult
+    best_fixed: CellResult | None
+    baseline: CellResult | None
+
+    @property
+    def vs_best_fixed(self) -> float | None:
+        if self.best_fixed is None or self.best_fixed.throughput_tok_s <= 0:
+            return None
+        return self.auto.throughput_tok_s / self.best_fixed.throughput_tok_s
+
+    @property
+    def vs_baseline(self) -> float | None:
+        if self.baseline is None or self.baseline.throughput_tok_s <= 0:
+            return None
+        return self.auto.throughput_tok_s / self.baseline.throughput_tok_s
+
+    @property
+    def choices(self) -> dict[str, int]:
+        return dict(self.auto.extra.get("choices", {}))
+
+
+# The policy's goals: at least this share of the best fixed configuration's throughput, and
+# never below plain decoding.
+POLICY_GOAL_VS_BEST = 0.97
+POLICY_GOAL_VS_BASELINE = 1.0
+
+
+def policy_table(cells: list[CellResult]) -> list[PolicyRow]:
+    rows = []
+    for a in (c for c in cells if c.kind == "auto"):
+        same = [c for c in cells if c.workload == a.workload and c.batch_size == a.batch_size]
+        fixed = [c for c in same if c.kind in ("chain", "tree", "baseline")]
+        best = max(fixed, key=lambda c: c.throughput_tok_s, default=None)
+        base = next((c for c in same if c.kind == "baseline"), None)
+        rows.append(PolicyRow(a.workload, a.batch_size, a, best, base))
+    return rows
+
+
+def policy_summary(rows: list[PolicyRow]) -> dict:
+    short = [{"workload": r.workload, "batch_size": r.batch_size,
+              "vs_best_fixed": _round(r.vs_best_fixed), "vs_baseline": _round(r.vs_baseline)}
+             for r in rows
+             if (r.vs_best_fixed is not None and r.vs_best_fixed < POLICY_GOAL_VS_BEST)
+             or (r.vs_baseline is not None and r.vs_baseline < POLICY_GOAL_VS_BASELINE)]
+    vb = [r.vs_best_fixed for r in rows if r.vs_best_fixed is not None]
+    vp = [r.vs_baseline for r in rows if r.vs_baseline is not None]
+    return {"cells": len(rows), "min_vs_best_fixed": _round(min(vb, default=None)),
+            "mean_vs_best_fixed": _round(_mean(vb)), "min_vs_baseline": _round(min(vp, default=None)),
+            "cells_short_of_goal": short}
 
 
 def _round(v: float | None, digits: int = 4) -> float | None:

@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl, else "
                         "google-research-datasets/mbpp from the Hugging Face hub; without --workloads, MBPP "
                         "is skipped with a note when none of these works)")
+    p.add_argument("--policies", type=_name_list, default=None, metavar="P[,P..]",
+                   help="fixed (the chain and tree grid) and/or auto (the adaptive policy, SpecConfig.auto); "
+                        "default: fixed")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
@@ -135,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         threads=args.threads,
         progress=not args.no_progress,
         plots=not args.no_plots,
+        policies=tuple(args.policies) if args.policies else ("fixed",),
     )
 
 

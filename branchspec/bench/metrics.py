@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from branchspec.config import SpecConfig
+from branchspec.config import AutoPolicy, SpecConfig
 from branchspec.engine.runner import ROUND_PHASES
 from branchspec.llm import GenerateStats, RequestOutput
 from branchspec.bench.grid import shape_label
 
-KINDS = ("baseline", "chain", "tree")
+KINDS = ("baseline", "chain", "tree", "auto")
 
 
 @dataclass
@@ -72,6 +72,19 @@ def measure_cell(workload: str, spec: SpecConfig | None, outputs: list[RequestOu
                  *, wall_seconds: float, max_tokens: int, temperature: float) -> CellResult:
     """Turn one generate() call into a CellResult (speedup and matches_baseline filled later)."""
     steps = stats.num_steps
+    if isinstance(spec, AutoPolicy):
+        ms = ms_per_round(stats, steps)
+        cell = CellResult(
+            workload=workload, batch_size=len(outputs), kind="auto", shape="auto", D=None, num_steps=None,
+            topk=None, accept_length=stats.accept_length if stats.num_rounds else 1.0, accept_rate_per_depth=[],
+            throughput_tok_s=stats.decode_throughput, speedup=None, ms_per_round=ms, num_rounds=steps,
+            request_rounds=stats.num_rounds, tokens=stats.num_generated, decode_seconds=stats.decode_seconds,
+            prefill_seconds=stats.prefill_seconds, wall_seconds=wall_seconds, max_tokens=max_tokens,
+            temperature=temperature,
+            mean_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs) / len(outputs))
+        cell.extra = {"choices": dict(sorted(stats.spec_choices.items(), key=lambda kv: -kv[1])),
+                      "policy_ms_per_round": 1e3 * stats.policy_seconds / steps if steps else 0.0}
+        return cell
     if spec is None:
         accept_length, rates = 1.0, []
         kind, D, num_steps, topk = "baseline", None, None, None

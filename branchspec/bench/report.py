@@ -10,10 +10,13 @@ from pathlib import Path
 
 from branchspec.bench.analysis import (
     BREAKDOWN_PHASES,
+    POLICY_GOAL_VS_BASELINE,
+    POLICY_GOAL_VS_BEST,
     Comparison,
     accept_table,
     breakdown_table,
     gain,
+    policy_table,
     throughput_ratio_grid,
 )
 from branchspec.bench.metrics import CellResult
@@ -102,6 +105,24 @@ def breakdown_rows(cells: list[CellResult], comparisons: list[Comparison]) -> li
             for r in breakdown_table(cells, comparisons)]
 
 
+POLICY_HEADERS = ("workload", "batch size", "auto tok/s", "best fixed", "best fixed tok/s", "auto / best fixed",
+                  "auto / no spec", "rounds run (most used first)", "decide ms/round")
+
+
+def policy_rows(cells: list[CellResult]) -> list[list[str]]:
+    rows = []
+    for r in policy_table(cells):
+        fixed = r.best_fixed
+        label = "-" if fixed is None else ("no spec" if fixed.kind == "baseline" else
+                                           f"{fixed.shape} D={fixed.D}" if fixed.kind == "tree" else f"chain D={fixed.D}")
+        total = sum(r.choices.values()) or 1
+        runs = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in list(r.choices.items())[:3])
+        rows.append([r.workload, str(r.batch_size), num(r.auto.throughput_tok_s, 1), label,
+                     "-" if fixed is None else num(fixed.throughput_tok_s, 1), num(r.vs_best_fixed),
+                     num(r.vs_baseline), runs, num(r.auto.extra.get("policy_ms_per_round"), 3)])
+    return rows
+
+
 def cell_rows(cells: list[CellResult]) -> list[list[str]]:
     rows = []
     for c in cells:
@@ -152,6 +173,11 @@ def render_report(cells: list[CellResult], comparisons: list[Comparison], summar
         "",
         markdown_table(BREAKDOWN_HEADERS, breakdown_rows(cells, comparisons)),
         "",
+        *(["## Adaptive policy (SpecConfig.auto) against the best fixed configuration and no speculation",
+            "",
+            f"Goals: auto / best fixed >= {POLICY_GOAL_VS_BEST}, auto / no spec >= {POLICY_GOAL_VS_BASELINE} in every cell.",
+            "",
+            markdown_table(POLICY_HEADERS, policy_rows(cells)), ""] if policy_table(cells) else []),
         "## Every cell",
         "",
         markdown_table(CELL_HEADERS, cell_rows(cells)),
@@ -181,4 +207,5 @@ def console_tables(cells: list[CellResult], comparisons: list[Comparison]) -> st
         "Accept length (mean over batch sizes)\n" + text_table(ACCEPT_HEADERS, accept_rows(cells)),
         "Tree vs chain\n" + text_table(COMPARISON_HEADERS, comparison_rows(comparisons)),
         "Throughput gain, best tree vs chain\n" + text_table(tp_headers, tp_rows),
+        *(["Adaptive policy\n" + text_table(POLICY_HEADERS, policy_rows(cells))] if policy_table(cells) else []),
     ])

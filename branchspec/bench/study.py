@@ -68,6 +68,9 @@ class StudyConfig:
     warmup: bool = True
     plots: bool = True
     mbpp_optional: bool = False
+    # "fixed": the chain and tree grid; "auto": the adaptive policy (SpecConfig.auto over
+    # the budgets' range) as one more cell per (workload, batch size). The baseline always runs.
+    policies: tuple[str, ...] = ("fixed",)
     notes: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +94,10 @@ class StudyConfig:
             unknown = [w for w in self.workloads if w not in WORKLOADS]
             if unknown:
                 raise ValueError(f"unknown workload(s) {unknown}; valid workloads: {', '.join(WORKLOADS)}")
+        object.__setattr__(self, "policies", tuple(dict.fromkeys(self.policies)))
+        bad = [p for p in self.policies if p not in ("fixed", "auto")]
+        if bad or not self.policies:
+            raise ValueError(f"policies must name fixed and/or auto, got {list(self.policies)}")
         if not self.budgets:
             raise ValueError("no budgets D given")
         for d in self.budgets:
@@ -149,9 +156,21 @@ class StudyConfig:
         shapes = list(self.tree_shapes) if self.tree_shapes is not None else None
         return specs_at_budget(num_draft_tokens, shapes, self.max_tree_shapes)
 
+    def auto_policy(self):
+        """The adaptive policy the study runs: every default candidate up to the largest D."""
+        return SpecConfig.auto(max_draft_tokens=max(self.budgets))
+
+    def group(self) -> list:
+        """The configurations one (workload, batch size) runs, baseline first."""
+        out: list = [None]
+        if "fixed" in self.policies:
+            out += [s for d in self.budgets for s in self.specs_at(d)]
+        if "auto" in self.policies:
+            out.append(self.auto_policy())
+        return out
+
     def num_cells(self) -> int:
-        per_group = 1 + sum(len(self.specs_at(d)) for d in self.budgets)
-        return len(self.workloads) * len(self.batch_sizes) * per_group
+        return len(self.workloads) * len(self.batch_sizes) * len(self.group())
 
     def describe(self) -> dict:
         """The configuration as JSON-ready values (prompts_override summarised)."""
@@ -164,6 +183,7 @@ class StudyConfig:
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
             "dtype": self.dtype, "compile": self.compile, "threads": self.threads or torch.get_num_threads(),
             "prompts": "override" if self.prompts_override is not None else "eval split",
+            "policies": list(self.policies),
             "notes": list(self.notes),
         }
 
@@ -245,8 +265,10 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     compile_seconds = 0.0
     if cfg.compile:
         # Compile every graph the grid needs before anything is timed.
-        for spec in [None] + [s for d in cfg.budgets for s in cfg.specs_at(d)]:
+        for spec in cfg.group():
             compile_seconds += llm.warmup(spec, batch_sizes=(1,))["seconds"]
+    elif "auto" in cfg.policies:
+        llm.warmup(cfg.auto_policy(), batch_sizes=())   # the round-cost calibration, untimed
 
     if cfg.warmup:
         # One short untimed run of each path, so one-time costs (allocator growth, lazy
@@ -263,7 +285,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         for workload in cfg.workloads:
             for b in cfg.batch_sizes:
                 batch = batch_prompts(prompts[workload], b)
-                group = [None] + [s for d in cfg.budgets for s in cfg.specs_at(d)]
+                group = cfg.group()
                 baseline: CellResult | None = None
                 baseline_ids: list[list[int]] = []
                 for spec in group:
@@ -328,8 +350,12 @@ def report_from_results(out_dir: str | Path) -> tuple[list[CellResult], list, di
     return cells, comparisons, summary
 
 
-def _cell_name(spec: SpecConfig | None) -> str:
-    return "baseline" if spec is None else f"D={spec.num_draft_tokens} {shape_label(spec)}"
+def _cell_name(spec) -> str:
+    if spec is None:
+        return "baseline"
+    if not isinstance(spec, SpecConfig):
+        return "auto"
+    return f"D={spec.num_draft_tokens} {shape_label(spec)}"
 
 
 def _progress(cfg: StudyConfig):

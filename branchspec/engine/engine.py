@@ -11,7 +11,9 @@ import torch
 
 from branchspec.cache.paged import PagedState
 from branchspec.cache.pool import OutOfPages
-from branchspec.config import EngineConfig, SamplingParams, SpecConfig
+import time
+
+from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig
 from branchspec.engine.request import FinishReason, Sequence
 from branchspec.engine.runner import ModelRunner
 from branchspec.engine.sampler import logprob_dicts, target_tokens
@@ -46,14 +48,29 @@ class Engine:
         # Unseeded requests draw their seeds from here: a fixed engine seed makes a whole run
         # reproducible, None (the default) makes every run differ.
         self._seed_rng = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        # Adaptive speculation: one runner per policy, kept for the engine's life so its
+        # acceptance and cost estimates carry over from call to call.
+        self._policies: dict[AutoPolicy, "SpecPolicyRunner"] = {}
+
+    def policy_runner(self, policy: AutoPolicy, progress: bool = False) -> "SpecPolicyRunner":
+        """The runner of `policy` on this engine (calibrating round costs the first time)."""
+        from branchspec.spec.policy import SpecPolicyRunner, load_or_calibrate
+
+        runner = self._policies.get(policy)
+        if runner is None:
+            costs = load_or_calibrate(self.model, self.config.max_batch_size, progress=progress)
+            runner = self._policies[policy] = SpecPolicyRunner(policy, costs)
+        return runner
 
     # -- requests ---------------------------------------------------------------------
-    def check_spec(self, spec: SpecConfig | None) -> None:
+    def check_spec(self, spec: SpecConfig | AutoPolicy | None) -> None:
         """Can this engine's model speculate with `spec`? ValueError naming what is missing."""
         if spec is None:
             return
-        if not isinstance(spec, SpecConfig):
-            raise TypeError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
+        if not isinstance(spec, (SpecConfig, AutoPolicy)):
+            raise TypeError(f"spec must be a SpecConfig, SpecConfig.auto(...) or None, got {type(spec).__name__}")
+        if isinstance(spec, AutoPolicy) and not spec.speculative:
+            return
         if self.runner.drafter is None:
             raise ValueError("speculative decoding needs a drafter, and this checkpoint has no MTP "
                              "block (num_mtp_layers=0); decode plainly (spec=None, or --speculative-algorithm NONE)")
@@ -94,18 +111,36 @@ class Engine:
         return seq
 
     # -- loop -------------------------------------------------------------------------
-    def step(self, spec: SpecConfig | None) -> list[Sequence]:
+    def step(self, spec: SpecConfig | AutoPolicy | None) -> list[Sequence]:
         """Admit what fits, then one decode step or speculative round. Returns the requests
-        that finished in this step (their pages are already back in the pools)."""
+        that finished in this step (their pages are already back in the pools).
+
+        With an AutoPolicy the round's configuration is chosen here, after admission and
+        before pages are reserved, and the round's outcome is fed back to the policy."""
         self.check_spec(spec)
+        policy = self.policy_runner(spec) if isinstance(spec, AutoPolicy) else None
         done = self._admit(spec)
-        running = self.scheduler.running
-        if not running:
+        if not self.scheduler.running:
             return done
-        self._reserve_round(1 if spec is None else spec.num_draft_tokens)
+        if policy is not None:
+            # Reserve for the largest candidate first: preemption must settle the batch
+            # before the choice, which depends on it.
+            self._reserve_round(spec.max_draft_tokens)
+            chosen = policy.choose([s.seq_id for s in self.scheduler.running])
+        else:
+            chosen = spec
+            self._reserve_round(1 if spec is None else spec.num_draft_tokens)
         running = list(self.scheduler.running)
         self.num_steps += 1
-        result = self.runner.decode_step(running) if spec is None else self.runner.spec_round(running, spec)
+        t0 = time.perf_counter()
+        if chosen is None:
+            result = self.runner.decode_step(running, track_drafter=policy is not None and bool(spec.speculative))
+        else:
+            result = self.runner.spec_round(running, chosen)
+        if policy is not None:
+            limit = [s.num_remaining + 1 for s in running]
+            policy.observe(chosen, [s.seq_id for s in running], time.perf_counter() - t0,
+                           result.parents, result.keep, limit)
         logprobs = result.logprobs or [None] * len(running)
         for seq, toks, lps in zip(running, result.emitted, logprobs):
             self._append(seq, toks, lps)
@@ -136,7 +171,8 @@ class Engine:
             admitted.append(seq)
         if not admitted:
             return []
-        logits = self.runner.prefill(admitted, with_mtp=spec is not None)
+        drafts = spec.speculative if isinstance(spec, AutoPolicy) else spec is not None
+        logits = self.runner.prefill(admitted, with_mtp=bool(drafts))
         # Recomputed requests (preempted) already have their root: only new ones sample.
         fresh = [(seq, lg) for seq, lg in zip(admitted, logits) if not seq.output_ids]
         firsts = [int(target_tokens(lg[None, None], *self.runner.sampling([seq]))[0, 0]) for seq, lg in fresh]
@@ -173,6 +209,7 @@ class Engine:
                 victim = self.scheduler.preempt()
                 self.cache.free(victim.seq_id)
                 victim.num_committed, victim.last_hidden = 0, None
+                victim.drafter_lag.clear()
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> None:
         """Add emitted tokens (with their logprob dicts, when asked for) up to the first stop."""
@@ -197,6 +234,8 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finished(seq)
         self.cache.free(seq.seq_id)
+        for policy in self._policies.values():
+            policy.forget(seq.seq_id)
         if self.decode is not None and seq.output_text is None:
             seq.output_text = self.decode(seq.output_ids)
 
@@ -211,6 +250,8 @@ class Engine:
             self.scheduler.finished(seq)
         if seq.seq_id in self.cache.tables:
             self.cache.free(seq.seq_id)
+        for policy in self._policies.values():
+            policy.forget(seq.seq_id)
         seq.finish_reason = FinishReason.ABORT
         if self.decode is not None and seq.output_text is None:
             seq.output_text = self.decode(seq.output_ids)
@@ -229,8 +270,9 @@ class Engine:
         if seq.seq_id in self.cache.tables:
             self.cache.free(seq.seq_id)
         seq.num_committed, seq.last_hidden = 0, None
+        seq.drafter_lag.clear()
 
-    def run(self, spec: SpecConfig | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:
+    def run(self, spec: SpecConfig | AutoPolicy | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:
         finished = []
         while self.scheduler.has_work():
             done = self.step(spec)

@@ -45,6 +45,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_committed: int = 0
     last_hidden: torch.Tensor | None = None                # [d] target hidden at L - 1
+    # Positions the target committed by plain decode steps while the drafter did not run
+    # (an adaptive policy chose no speculation): (token, target hidden before it) per
+    # position, fed to the drafter before its next round.
+    drafter_lag: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)

@@ -47,6 +47,9 @@ class RoundResult:
     path_len: list[int]          # per sequence, accepted nodes incl. root (committed tokens)
     # per sequence, one {token_id: logprob} per emitted token, or None where not asked for
     logprobs: list[list[dict[int, float]] | None] | None = None
+    # speculative rounds: the verified trees' parents [B, D] and accepted-path mask [B, D]
+    parents: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 def emitted_logprobs(seqs: list[Sequence], logits: torch.Tensor, nodes: torch.Tensor,
@@ -183,8 +186,11 @@ class ModelRunner:
 
     # -- plain decoding ---------------------------------------------------------------
     @torch.no_grad()
-    def decode_step(self, seqs: list[Sequence]) -> RoundResult:
-        """Feed each root through the target; emit the next token of each sequence."""
+    def decode_step(self, seqs: list[Sequence], track_drafter: bool = False) -> RoundResult:
+        """Feed each root through the target; emit the next token of each sequence.
+
+        `track_drafter`: the drafter will be needed again (an adaptive policy), so each
+        root, with the target hidden state before it, joins the request's drafter lag."""
         t0 = time.perf_counter()
         ids = [s.seq_id for s in seqs]
         L = self._lengths(seqs)
@@ -195,7 +201,10 @@ class ModelRunner:
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         t0 = self.timer.record("commit", t0)
         nxt = target_tokens(out.logits, *self.sampling(seqs))[:, 0].tolist()
-        for s in seqs:
+        for b, s in enumerate(seqs):
+            if track_drafter:
+                s.drafter_lag.append((s.root_id, s.last_hidden))
+            s.last_hidden = out.hidden[b, 0]
             s.num_committed += 1
         emitted = [[t] for t in nxt]
         logprobs = emitted_logprobs(seqs, out.logits, torch.zeros(len(seqs), 1, dtype=torch.long), emitted)
@@ -204,7 +213,36 @@ class ModelRunner:
 
     # -- speculative round ------------------------------------------------------------
     @torch.no_grad()
+    def catch_up_drafter(self, seqs: list[Sequence]) -> None:
+        """Feed the drafter the positions plain decode steps committed without it, all
+        lagging requests in one chunk, so its KV again covers every committed position."""
+        lagging = [s for s in seqs if s.drafter_lag]
+        if not lagging:
+            return
+        t0 = time.perf_counter()
+        ids = [s.seq_id for s in lagging]
+        counts = [len(s.drafter_lag) for s in lagging]
+        N = max(counts)
+        L = torch.tensor([s.num_committed - n for s, n in zip(lagging, counts)], dtype=torch.long,
+                         device=self.device)
+        tokens = torch.full((len(lagging), N), self.cfg.pad_token_id, dtype=torch.long)
+        prev = torch.zeros(len(lagging), N, lagging[0].drafter_lag[0][1].shape[-1],
+                           dtype=lagging[0].drafter_lag[0][1].dtype)
+        for j, s in enumerate(lagging):
+            for i, (tok, hidden) in enumerate(s.drafter_lag):
+                tokens[j, i] = tok
+                prev[j, i] = hidden
+        meta = chain_meta(L, torch.tensor(counts, device=self.device), (), max_new=N)
+        mtp = self.model.mtp_forward(tokens.to(self.device), prev.to(self.device), meta,
+                                     self.cache.gather_mtp(ids, L))
+        self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
+        for s in lagging:
+            s.drafter_lag.clear()
+        self.timer.record("draft_extend", t0)
+
+    @torch.no_grad()
     def spec_round(self, seqs: list[Sequence], spec: SpecConfig) -> RoundResult:
+        self.catch_up_drafter(seqs)
         t0 = time.perf_counter()
         cfg, dev = self.cfg, self.device
         ids = [s.seq_id for s in seqs]
@@ -264,4 +302,5 @@ class ModelRunner:
             s.num_committed += path_len[b]
             s.last_hidden = last[b]
         self.timer.record("draft_extend", t0)
-        return RoundResult(emitted=emitted, path_len=path_len, logprobs=logprobs)
+        return RoundResult(emitted=emitted, path_len=path_len, logprobs=logprobs, parents=tree.parents,
+                           keep=acc.keep)

@@ -1,0 +1,438 @@
+"""Speculation that never loses: pick the draft shape, or none, before every round.
+
+For each candidate c (a SpecConfig, or None for a plain decode step) and the running batch
+of B requests, the policy estimates
+
+    throughput(c) = sum over requests of E[tokens emitted by one round of c] / T(c, B)
+
+and runs the argmax. Both factors are measured, not assumed:
+
+* **Acceptance** (`AcceptanceStats`): for every request, decayed counts of how often the
+  drafter's rank-r child at depth d was accepted when its parent was (rank = order of the
+  drafter's probability among siblings; a chain only ever tries rank 1). Under that
+  positional model a node reached by ranks r_1..r_j is accepted with probability
+  q(1, r_1) ... q(j, r_j), and a candidate's expected accept length is 1 (the bonus token)
+  plus the sum of its best D-1 node values within its depth and branching: the tree
+  EAGLE-2 selection aims for. A request's counts start from the engine-wide ones (worth
+  `prior_weight` observations), which start from an optimistic prior, so depths that no
+  round has tried yet get tried.
+* **Round time** (`CostModel`): the target's and the drafter's forward time at (batch,
+  tokens per request), measured once on this machine at start-up and cached on disk, then
+  composed per candidate (draft steps + verify + draft-extend, or one decode step) and
+  corrected online by each candidate's measured round times.
+
+Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
+the target model's. The decision is a few small numpy operations per round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from branchspec.config import AutoPolicy, SpecConfig, spec_label
+
+# Depth/rank grid of the acceptance statistics.
+MAX_DEPTH = 16
+# Before anything is observed: the rank-1 child is accepted 60% of the time, each lower
+# rank half as often. Optimistic on purpose (deep drafts get tried, then measured).
+PRIOR_RANK1 = 0.6
+
+
+def _prior(max_rank: int) -> np.ndarray:
+    """[MAX_DEPTH, R] prior acceptance probabilities."""
+    ranks = PRIOR_RANK1 * 0.5 ** np.arange(max_rank)
+    return np.tile(ranks, (MAX_DEPTH, 1))
+
+
+# -- expected accept length ---------------------------------------------------------------
+
+def candidate_paths(spec: SpecConfig) -> list[tuple[tuple[int, int], ...]]:
+    """Every node a candidate could verify, as its path of (depth, rank) edges from the
+    root: depth below num_steps, rank below topk."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    frontier: list[tuple[tuple[int, int], ...]] = [()]
+    for depth in range(spec.num_steps):
+        frontier = [path + ((depth, rank),) for path in frontier for rank in range(spec.topk)]
+        out.extend(frontier)
+    return out
+
+
+class AcceptanceStats:
+    """Decayed per-request (and engine-wide) counts of accepted / tried draft nodes, by
+    depth and sibling rank, and the expected accept length of each candidate."""
+
+    def __init__(self, policy: AutoPolicy):
+        self.policy = policy
+        self.R = max((c.topk for c in policy.speculative), default=1)
+        shape = (MAX_DEPTH, self.R)
+        # Engine-wide counts start as 4 pseudo-observations of the prior.
+        self.prior_hits, self.prior_tries = _prior(self.R) * 4.0, np.full(shape, 4.0)
+        self.global_hits, self.global_tries = self.prior_hits.copy(), self.prior_tries.copy()
+        self.hits: dict[int, np.ndarray] = {}
+        self.tries: dict[int, np.ndarray] = {}
+        self.specs = policy.speculative
+        # Every node any candidate could verify, once: [N, MAX_DEPTH * R] edge matrix, and
+        # which candidates may use each node [C, N].
+        paths: dict[tuple, int] = {}
+        members: list[list[int]] = []
+        for spec in self.specs:
+            mine = []
+            for path in candidate_paths(spec):
+                mine.append(paths.setdefault(path, len(paths)))
+            members.append(mine)
+        self.edges = np.zeros((len(paths), MAX_DEPTH * self.R))
+        for path, i in paths.items():
+            for depth, rank in path:
+                self.edges[i, depth * self.R + rank] = 1.0
+        self.member = np.zeros((len(self.specs), len(paths)), dtype=bool)
+        for c, mine in enumerate(members):
+            self.member[c, mine] = True
+        self.keep = np.array([c.num_draft_tokens - 1 for c in self.specs])
+
+    def relax(self, rate: float = 0.03) -> None:
+        """A round without drafts: the engine-wide counts drift back towards the
+        optimistic prior, so that after a long run of plain rounds a speculative one is
+        tried again (the batch or the text may have changed)."""
+        self.global_hits = (1 - rate) * self.global_hits + rate * self.prior_hits
+        self.global_tries = (1 - rate) * self.global_tries + rate * self.prior_tries
+
+    def forget(self, seq_id: int) -> None:
+        self.hits.pop(seq_id, None)
+        self.tries.pop(seq_id, None)
+
+    def acceptance(self, seq_ids: list[int]) -> np.ndarray:
+        """[B, MAX_DEPTH, R] estimated P(rank-r child at depth d accepted | parent accepted)."""
+        w = self.policy.prior_weight
+        g = self.global_hits / self.global_tries
+        zero = np.zeros_like(g)
+        h = np.stack([self.hits.get(s, zero) for s in seq_ids])
+        t = np.stack([self.tries.get(s, zero) for s in seq_ids])
+        return np.clip((h + w * g) / (t + w), 1e-4, 1.0)
+
+    def expected_accept(self, seq_ids: list[int]) -> np.ndarray:
+        """[B, C] expected tokens one round of each speculative candidate emits (bonus
+        included) for each request: 1 + its best D-1 node values, all candidates at once."""
+        logq = np.log(self.acceptance(seq_ids)).reshape(len(seq_ids), -1)     # [B, MAX_DEPTH * R]
+        values = np.exp(logq @ self.edges.T)                                  # [B, N]
+        order = np.argsort(-values, axis=1, kind="stable")                   # best first
+        ranked = np.take_along_axis(values, order, axis=1)                    # [B, N]
+        allowed = self.member[:, order].transpose(1, 0, 2)                   # [B, C, N]
+        taken = allowed & (np.cumsum(allowed, axis=2) <= self.keep[None, :, None])
+        return 1.0 + (taken * ranked[:, None, :]).sum(axis=2)
+
+    def observe(self, seq_ids: list[int], parents: torch.Tensor, keep: torch.Tensor,
+                limit: list[int]) -> None:
+        """One verified round. parents: [B, D] (-1 root); keep: [B, D] accepted-path mask;
+        limit: per request, the most path nodes the round could accept (its token budget)."""
+        decay = self.policy.decay
+        par = parents.tolist()
+        kept = keep.tolist()
+        g_hits = np.zeros_like(self.global_hits)
+        g_tries = np.zeros_like(self.global_tries)
+        for b, sid in enumerate(seq_ids):
+            p, k = par[b], kept[b]
+            depth = [0] * len(p)
+            rank = [0] * len(p)
+            seen: dict[int, int] = {}
+            hits = np.zeros_like(self.global_hits)
+            tries = np.zeros_like(self.global_tries)
+            for n in range(1, len(p)):
+                depth[n] = depth[p[n]] + 1
+                rank[n] = seen.get(p[n], 0)
+                seen[p[n]] = rank[n] + 1
+                d, r = depth[n] - 1, rank[n]
+                # Tried whenever its parent was accepted and the budget allowed one more
+                # node; a hit when it is the child the walk descended into.
+                if k[p[n]] and depth[n] < limit[b] and r < self.R and d < MAX_DEPTH:
+                    tries[d, r] += 1
+                    hits[d, r] += k[n]
+            old_h, old_t = self.hits.get(sid), self.tries.get(sid)
+            self.hits[sid] = hits if old_h is None else decay * old_h + hits
+            self.tries[sid] = tries if old_t is None else decay * old_t + tries
+            g_hits += hits
+            g_tries += tries
+        gd = decay ** (1.0 / max(1, len(seq_ids)))     # engine-wide: about one decay per request-round
+        self.global_hits = gd * self.global_hits + g_hits
+        self.global_tries = gd * self.global_tries + g_tries
+
+
+# -- round time ---------------------------------------------------------------------------
+
+class CostModel:
+    """Forward time of the target and the drafter on a (batch, tokens per request) grid,
+    and the round time of each candidate composed from them.
+
+    target[i, j] / mtp[i, j]: seconds of one forward at batch BATCHES[i] with TOKENS[j] new
+    tokens per request (over a committed context). Off-grid points interpolate linearly in
+    log(batch) and in tokens. `correction` holds, per (candidate, batch bucket), the EWMA of
+    measured / predicted round time, so overheads the grid does not see (plan, accept,
+    commit, Python) are learned as rounds run.
+    """
+
+    TOKENS = (1, 2, 4, 8, 16)
+
+    def __init__(self, batches: tuple[int, ...], target: np.ndarray, mtp: np.ndarray):
+        self.batches = tuple(batches)
+        self.target, self.mtp = np.asarray(target, float), np.asarray(mtp, float)
+        self.correction: dict[tuple[str, int], float] = {}
+        self._predicted: dict[tuple[SpecConfig | None, int], float] = {}
+
+    def _at(self, grid: np.ndarray, batch: int, tokens: int) -> float:
+        lb = np.log2(np.asarray(self.batches, float))
+        per_tokens = np.array([np.interp(min(tokens, self.TOKENS[-1]), self.TOKENS, row) for row in grid])
+        t = float(np.interp(math.log2(batch), lb, per_tokens))
+        if batch > self.batches[-1]:     # beyond the grid: scale with the batch
+            t *= batch / self.batches[-1]
+        if tokens > self.TOKENS[-1]:
+            t *= tokens / self.TOKENS[-1]
+        return t
+
+    def predict(self, spec: SpecConfig | None, batch: int) -> float:
+        """Seconds of one round of `spec` over `batch` requests, before correction."""
+        key = (spec, batch)
+        if key not in self._predicted:
+            self._predicted[key] = self._compose(spec, batch)
+        return self._predicted[key]
+
+    def _compose(self, spec: SpecConfig | None, batch: int) -> float:
+        if spec is None:
+            return self._at(self.target, batch, 1)
+        draft = self._at(self.mtp, batch, 1) + (spec.num_steps - 1) * self._at(self.mtp, batch, spec.topk)
+        verify = self._at(self.target, batch, spec.num_draft_tokens)
+        extend = self._at(self.mtp, batch, spec.num_draft_tokens)
+        return draft + verify + extend
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, (batch - 1).bit_length())
+
+    def round_seconds(self, spec: SpecConfig | None, batch: int) -> float:
+        """Predicted seconds times the correction measured for this candidate at this
+        batch bucket; a speculative candidate not run there yet takes the correction of
+        the speculative rounds that were (their overheads are alike), else 1."""
+        bucket = self.bucket(batch)
+        factor = self.correction.get((spec_label(spec), bucket))
+        if factor is None:
+            factor = self.correction.get(("speculative" if spec is not None else "none", bucket), 1.0)
+        return self.predict(spec, batch) * factor
+
+    def observe(self, spec: SpecConfig | None, batch: int, seconds: float, weight: float = 0.2) -> None:
+        bucket = self.bucket(batch)
+        ratio = seconds / max(self.predict(spec, batch), 1e-9)
+        keys = [(spec_label(spec), bucket)] + ([("speculative", bucket)] if spec is not None else [])
+        for key in keys:
+            old = self.correction.get(key)
+            self.correction[key] = ratio if old is None else (1 - weight) * old + weight * ratio
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "tokens": list(self.TOKENS),
+                "target": self.target.tolist(), "mtp": self.mtp.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        if tuple(d["tokens"]) != cls.TOKENS:
+            raise ValueError("calibration grid changed")
+        return cls(tuple(d["batches"]), np.array(d["target"]), np.array(d["mtp"]))
+
+
+def calibration_batches(max_batch_size: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 4
+    out.append(max_batch_size)
+    return tuple(out)
+
+
+@torch.no_grad()
+def calibrate(model, max_batch_size: int, context: int = 128, repeats: int = 3,
+              progress: bool = False) -> CostModel:
+    """Time the target's and the drafter's forward over the (batch, tokens) grid, each
+    over `context` committed tokens, in a private cache (the engine's pages are untouched)."""
+    from branchspec.cache.paged import PagedState
+    from branchspec.model.metadata import chain_meta
+
+    cfg = model.cfg
+    p = model.embed.weight
+    batches = calibration_batches(max_batch_size)
+    T = CostModel.TOKENS
+    context = min(context, cfg.max_position - T[-1] - 1)
+    target = np.zeros((len(batches), len(T)))
+    mtp = np.zeros((len(batches), len(T)))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(batches) * len(T), desc="calibrating round costs", unit="shape", leave=False)
+    gen = torch.Generator().manual_seed(0)
+    for i, B in enumerate(batches):
+        cache = PagedState(cfg, max_seqs=B, max_len=context + T[-1] + 1, page_size=16, dtype=p.dtype,
+                           device=p.device)
+        ids = list(range(B))
+        for sid in ids:
+            cache.add(sid)
+            cache.reserve(sid, context + T[-1])
+        L = torch.zeros(B, dtype=torch.long, device=p.device)
+        tokens = torch.randint(3, cfg.vocab_size, (B, context), generator=gen).to(p.device)
+        meta = chain_meta(L, context, cfg.compressed_ratios)
+        out = model(tokens, meta, cache.gather(ids, L))
+        cache.commit(ids, meta, out.scratch, meta.valid)
+        L = L + context
+        hidden = out.hidden[:, -1:]
+        for j, n in enumerate(T):
+            new = torch.randint(3, cfg.vocab_size, (B, n), generator=gen).to(p.device)
+            times_t, times_m = [], []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                m = chain_meta(L, n, cfg.compressed_ratios)
+                model(new, m, cache.gather(ids, L))
+                t1 = time.perf_counter()
+                mm = chain_meta(L, n, ())
+                model.mtp_forward(new, hidden.expand(B, n, hidden.shape[-1]), mm, cache.gather_mtp(ids, L))
+                t2 = time.perf_counter()
+                times_t.append(t1 - t0)
+                times_m.append(t2 - t1)
+            target[i, j] = float(np.median(times_t[1:]))
+            mtp[i, j] = float(np.median(times_m[1:]))
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return CostModel(batches, target, mtp)
+
+
+def calibration_key(model, max_batch_size: int) -> str:
+    """What a calibration depends on: the model's shape and dtype, the batch grid, the
+    machine and its thread count, and the torch build."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
+                       "device": str(model.embed.weight.device), "batches": calibration_batches(max_batch_size),
+                       "tokens": CostModel.TOKENS, "threads": torch.get_num_threads(), "cpu": cpu,
+                       "torch": torch.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BRANCHSPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "branchspec")
+    return Path(root)
+
+
+def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> CostModel:
+    """The cached calibration for this model and machine, else a fresh one (then cached;
+    an unwritable cache folder only costs the next start another calibration)."""
+    path = cache_dir() / f"round-costs-{calibration_key(model, max_batch_size)}.json"
+    try:
+        return CostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = calibrate(model, max_batch_size, progress=progress)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(costs.to_dict()))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return costs
+
+
+# -- the policy ----------------------------------------------------------------------------
+
+# Pseudo-tokens both sides of the accept calibration start with, so one unlucky round does
+# not condemn a candidate.
+CALIBRATION_PRIOR = 4.0
+
+
+def _kind(spec: SpecConfig) -> str:
+    return "chain" if spec.is_chain else "tree"
+
+
+class SpecPolicyRunner:
+    """Chooses each round's configuration and learns from its outcome."""
+
+    def __init__(self, policy: AutoPolicy, costs: CostModel):
+        self.policy, self.costs = policy, costs
+        self.stats = AcceptanceStats(policy)
+        self.counts: Counter[str] = Counter()        # rounds per configuration label
+        self.decide_seconds = 0.0
+        self.last_choice: SpecConfig | None = None
+        self.last_estimate: dict[str, float] = {}
+        # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
+        self.accept_sums: dict[str, tuple[float, float]] = {}
+        self._predicted_tokens: float | None = None
+
+    def choose(self, seq_ids: list[int]) -> SpecConfig | None:
+        t0 = time.perf_counter()
+        B = len(seq_ids)
+        best, best_rate, estimate = None, -1.0, {}
+        if None in self.policy.candidates:
+            best_rate = B / self.costs.round_seconds(None, B)
+            estimate["none"] = best_rate
+        predicted = {}
+        if self.stats.specs:
+            emitted = self.stats.expected_accept(seq_ids).sum(axis=0)           # [C]
+            for spec, raw in zip(self.stats.specs, emitted):
+                predicted[spec] = float(raw)          # the model's own estimate, to calibrate against
+                tokens = B + self.calibration(spec) * (float(raw) - B)
+                rate = tokens / self.costs.round_seconds(spec, B)
+                estimate[spec_label(spec)] = rate
+                if rate > best_rate:
+                    best, best_rate = spec, rate
+        self.last_choice, self.last_estimate = best, estimate
+        self._predicted_tokens = predicted.get(best)
+        self.counts[spec_label(best)] += 1
+        self.decide_seconds += time.perf_counter() - t0
+        return best
+
+    def observe(self, spec: SpecConfig | None, seq_ids: list[int], seconds: float,
+                parents: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+                limit: list[int] | None = None) -> None:
+        t0 = time.perf_counter()
+        self.costs.observe(spec, len(seq_ids), seconds)
+        if spec is not None and parents is not None:
+            self.stats.observe(seq_ids, parents, keep, limit)
+            if self._predicted_tokens is not None and spec is self.last_choice:
+                self._calibrate(spec, float(keep.sum()), self._predicted_tokens, len(seq_ids))
+        elif spec is None:
+            self.stats.relax()
+        self._predicted_tokens = None
+        self.decide_seconds += time.perf_counter() - t0
+
+    def calibration(self, spec: SpecConfig) -> float:
+        """Observed / predicted drafted tokens accepted, for this candidate (else for its
+        kind): ratio of decayed sums that start level (CALIBRATION_PRIOR tokens each).
+        The positional model counts only nodes that made it into a tree, which the drafter
+        picked for being likely, so for trees it runs optimistic; this measures by how much.
+        Chains verify every rank-1 child, so theirs stays near 1: the fallback is per kind."""
+        for key in (spec_label(spec), _kind(spec)):
+            if key in self.accept_sums:
+                seen, predicted = self.accept_sums[key]
+                return seen / predicted
+        return 1.0
+
+    def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int,
+                   keep: float = 0.9) -> None:
+        drafted_pred, drafted_seen = max(predicted - batch, 0.0), max(observed - batch, 0.0)
+        for key in (spec_label(spec), _kind(spec)):
+            seen, pred = self.accept_sums.get(key, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
+            self.accept_sums[key] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+
+    def forget(self, seq_id: int) -> None:
+        self.stats.forget(seq_id)

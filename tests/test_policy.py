@@ -1,0 +1,265 @@
+"""Adaptive speculation (SpecConfig.auto): lossless whatever it picks, the drafter's state
+stays exact across plain rounds, and its estimates and choices respond to what it sees."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates, spec_label
+from branchspec.llm import LLM
+from branchspec.spec.policy import AcceptanceStats, CostModel, SpecPolicyRunner, calibration_batches, load_or_calibrate
+from conftest import markov_batches
+from test_spec_decode import chi2_sf
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path / "cache"))
+
+
+CYCLE = (None, SpecConfig.chain(4), None, None, SpecConfig(3, 2, 6), SpecConfig(2, 3, 5), None,
+         SpecConfig.chain(8))
+
+
+def force_cycle(llm: LLM, policy: AutoPolicy, order=CYCLE):
+    """Make the policy run `order` round after round (each rounds' outcome still observed)."""
+    runner = llm.engine.policy_runner(policy)
+    choices = itertools.cycle(order)
+
+    def choose(seq_ids):
+        pick = next(choices)
+        runner.counts[spec_label(pick)] += 1
+        return pick
+    runner.choose = choose
+    return runner
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    lengths = [5, 126, 127, 40, 3, 250, 64, 9]
+    data = next(markov_batches(64, 1, batch=len(lengths), length=260, seed=5))
+    return [data[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 37, 5, 60, 11, 30, 1, 44)]
+
+
+def test_auto_policy_is_lossless_greedy(trained_ckpt, prompts, params):
+    llm = LLM(trained_ckpt, dtype="float64", max_batch_size=8)
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    policy = SpecConfig.auto()
+    outs = llm.generate(prompts, params, spec=policy)
+    assert [o.token_ids for o in outs] == plain
+    stats = llm.last_stats
+    assert sum(stats.spec_choices.values()) == stats.num_steps
+    assert stats.policy_seconds > 0
+
+
+def test_switching_between_plain_and_speculative_rounds_is_lossless(trained_ckpt, prompts, params):
+    """Every kind of switch (plain -> chain, tree -> plain, plain -> plain -> tree) happens
+    in this run; the drafter catches up on the positions plain rounds committed."""
+    llm = LLM(trained_ckpt, dtype="float64", max_batch_size=8)
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    policy = SpecConfig.auto()
+    force_cycle(llm, policy)
+    outs = llm.generate(prompts, params, spec=policy)
+    assert [o.token_ids for o in outs] == plain
+    assert llm.last_stats.spec_choices.get("none", 0) >= 3
+    assert llm.last_stats.accept_length > 1.2, "drafts were hardly accepted: the test would prove little"
+    assert llm.engine.cache.tables == {}, "pages leaked"
+
+
+def run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag: bool = False) -> None:
+    """Plain rounds, then speculative ones, then compare each request's drafter KV with a
+    sequential MTP pass over its committed tokens (with the target's hidden states).
+    AssertionError on any difference."""
+    from branchspec.engine.engine import Engine
+    from branchspec.model.metadata import chain_meta
+    from branchspec.model.weights import load_checkpoint
+    from helpers import assert_same_state, new_cache
+
+    model = load_checkpoint(trained_ckpt, "float64")
+    engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4))
+    if skip_lag:    # a drafter that forgets what plain rounds committed
+        engine.runner.catch_up_drafter = lambda seqs: [s.drafter_lag.clear() for s in seqs]
+    policy = SpecConfig.auto()
+    runner = engine.policy_runner(policy)
+    order = iter([None, None, None, SpecConfig(3, 2, 6), None, SpecConfig.chain(5)])
+    runner.choose = lambda seq_ids: next(order)
+    seqs = [engine.add_request(prompts[i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in (1, 6)]
+    for _ in range(6):
+        engine.step(policy)
+    for seq in seqs:
+        L = seq.num_committed
+        assert not seq.finished and not seq.drafter_lag
+        committed = seq.token_ids[:L]
+        with torch.no_grad():
+            out, _ = model.full_forward(torch.tensor([committed]))
+            prev = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
+        ref = new_cache(model, max_seqs=1)
+        ref.add(0)
+        meta = chain_meta(torch.tensor([0]), L, ())
+        with torch.no_grad():
+            mtp = model.mtp_forward(torch.tensor([committed]), prev, meta, ref.gather_mtp([0], torch.tensor([0])))
+        ref.commit_mtp([0], meta, mtp.scratch[0], meta.valid)
+        got = engine.cache.snapshot(seq.seq_id, L, mtp_length=L)
+        assert_same_state({"mtp/0": got["mtp/0"]}, {"mtp/0": ref.snapshot(0, 0, mtp_length=L)["mtp/0"]})
+        torch.testing.assert_close(seq.last_hidden, out.hidden[0, -1], atol=1e-10, rtol=0)
+
+
+def test_drafter_state_after_plain_rounds_equals_sequential(trained_ckpt, prompts):
+    """Invariant S for the drafter across plain rounds chosen by the policy."""
+    run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts)
+
+
+def test_drafter_state_check_catches_a_skipped_lag(trained_ckpt, prompts):
+    """Negative control: the same check fails when the drafter skips the positions plain
+    rounds committed."""
+    with pytest.raises(AssertionError):
+        run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag=True)
+
+
+def test_auto_policy_sampled_follows_target_distribution(tmp_path):
+    """The chi-square test of test_spec_decode, with rounds cycling between plain decoding,
+    a chain and a tree."""
+    from branchspec.config import tiny_config
+    from branchspec.model.weights import random_model, save_checkpoint
+
+    cfg = tiny_config(vocab_size=8, compress_ratios=(0, 4, 0, 4), index_topk=2)
+    model = random_model(cfg, seed=4, dtype="float64", std=0.25)
+    save_checkpoint(model, tmp_path)
+    llm = LLM(tmp_path, dtype="float64", max_batch_size=64)
+    policy = SpecConfig.auto([None, SpecConfig.chain(3), SpecConfig(2, 2, 4)])
+    force_cycle(llm, policy, order=(SpecConfig(2, 2, 4), None, SpecConfig.chain(3)))
+    prompt = [3, 5, 7, 6, 4, 5, 3]
+    n = 1500
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=2000 + i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, spec=policy)
+    assert set(llm.last_stats.spec_choices) == {"none", "chain D=3", "tree 2x2 D=4"}
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for o in outs:
+        counts[o.token_ids[2], o.token_ids[3]] += 1
+    # Exact P(x3, x4) by enumerating x1, x2.
+    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(8), repeat=3)])
+    with torch.no_grad():
+        lp = torch.log_softmax(model.full_forward(seqs)[0].logits, -1)
+        P = len(prompt)
+        p1 = lp[0, P - 1].exp()
+        p2 = lp[:, P, :].exp().view(8, 8, 8, 8)[:, 0, 0]            # [x1, x2]
+        p3 = lp[:, P + 1, :].exp().view(8, 8, 8, 8)[:, :, 0]         # [x1, x2, x3]
+        p4 = lp[:, P + 2, :].exp().view(8, 8, 8, 8)                  # [x1, x2, x3, x4]
+    expected = torch.einsum("a,ab,abc,abcd->cd", p1, p2, p3, p4) * n
+    mask = expected >= 5
+    chi2 = (((counts - expected) ** 2 / expected)[mask]).sum().item()
+    assert chi2_sf(chi2, int(mask.sum()) - 1) > 1e-3, chi2
+    uniform = torch.full_like(expected, n / 64)
+    assert chi2_sf(((counts - uniform) ** 2 / uniform).sum().item(), 63) < 1e-6
+
+
+# -- the estimates ---------------------------------------------------------------------
+
+def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
+    chain = SpecConfig.chain(4)
+    stats = AcceptanceStats(AutoPolicy(candidates=(chain, SpecConfig(2, 2, 4))))
+    q = np.full((16, 2), 0.1)
+    q[0, 0], q[1, 0], q[2, 0] = 0.9, 0.5, 0.2
+    stats.acceptance = lambda ids: q[None].repeat(len(ids), 0)
+    e = stats.expected_accept([7])
+    assert e[0, 0] == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2)
+    # The 2x2 tree at D=4 keeps the best three of: 0.9, 0.1 (rank 2), 0.45, 0.09, 0.09, 0.01.
+    assert e[0, 1] == pytest.approx(1 + 0.9 + 0.45 + 0.1)
+
+
+def test_observe_counts_tries_and_hits_by_depth_and_rank():
+    tree = SpecConfig(2, 2, 5)
+    stats = AcceptanceStats(AutoPolicy(candidates=(tree,), decay=0.5))
+    # root -> a (rank 0), b (rank 1); a -> c (rank 0), d (rank 1). Accepted: root, b.
+    parents = torch.tensor([[-1, 0, 0, 1, 1]])
+    keep = torch.tensor([[True, False, True, False, False]])
+    stats.observe([3], parents, keep, limit=[5])
+    assert stats.tries[3][0].tolist() == [1.0, 1.0] and stats.hits[3][0].tolist() == [0.0, 1.0]
+    assert stats.tries[3][1].tolist() == [0.0, 0.0]      # a was rejected: its children were not tried
+    stats.observe([3], parents, keep, limit=[1])         # no room for any draft: nothing tried
+    assert stats.tries[3][0].tolist() == [0.5, 0.5]
+    stats.forget(3)
+    assert 3 not in stats.tries
+
+
+def test_requests_learn_their_own_acceptance():
+    chain = SpecConfig.chain(3)
+    stats = AcceptanceStats(AutoPolicy(candidates=(chain,)))
+    parents = torch.tensor([[-1, 0, 1]])
+    for _ in range(30):
+        stats.observe([1], parents, torch.tensor([[True, True, True]]), limit=[3])
+        stats.observe([2], parents, torch.tensor([[True, False, False]]), limit=[3])
+    q = stats.acceptance([1, 2])
+    assert q[0, 0, 0] > 0.8 and q[1, 0, 0] < 0.2
+    assert stats.expected_accept([1])[0, 0] > 2.5 > 1.3 > stats.expected_accept([2])[0, 0]
+
+
+def flat_costs(target_ms: float, mtp_ms: float) -> CostModel:
+    T = len(CostModel.TOKENS)
+    return CostModel((1, 64), np.full((2, T), target_ms / 1e3), np.full((2, T), mtp_ms / 1e3))
+
+
+def test_policy_speculates_when_drafts_are_cheap_and_accepted_and_not_otherwise():
+    policy = SpecConfig.auto()
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]])
+    # Cheap drafts, everything accepted: the deepest candidate wins.
+    runner = SpecPolicyRunner(policy, flat_costs(10.0, 0.1))
+    for _ in range(20):
+        runner.observe(SpecConfig.chain(8), [0], 0.011, parents, torch.ones(1, 8, dtype=torch.bool), [9])
+    assert runner.choose([0]).num_draft_tokens == 8
+    # Drafts as dear as the target, nothing accepted: plain decoding.
+    runner = SpecPolicyRunner(policy, flat_costs(10.0, 10.0))
+    for _ in range(20):
+        runner.observe(SpecConfig.chain(8), [0], 0.1, parents, torch.tensor([[True] + [False] * 7]), [9])
+    assert runner.choose([0]) is None
+    assert runner.counts == {"none": 1}
+
+
+def test_cost_model_learns_a_measured_round_time():
+    costs = flat_costs(10.0, 1.0)
+    chain = SpecConfig.chain(4)
+    before = costs.round_seconds(chain, 8)
+    for _ in range(30):
+        costs.observe(chain, 8, 3 * before)
+    assert costs.round_seconds(chain, 8) == pytest.approx(3 * before, rel=0.01)
+    assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64))   # other bucket untouched
+
+
+def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
+    from branchspec.model.weights import load_checkpoint
+    import branchspec.spec.policy as policy_mod
+
+    model = load_checkpoint(trained_ckpt, "float32")
+    first = load_or_calibrate(model, 4)
+    assert first.batches == calibration_batches(4) == (1, 4)
+    assert (first.target > 0).all() and (first.mtp > 0).all()
+    monkeypatch.setattr(policy_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    again = load_or_calibrate(model, 4)
+    np.testing.assert_array_equal(again.target, first.target)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(candidates=()), "non-empty"),
+    (dict(candidates=(SpecConfig.chain(3), "chain")), "candidates\\[1\\]"),
+    (dict(candidates=(None, None)), "duplicates"),
+    (dict(candidates=(None,), decay=1.0), "decay"),
+    (dict(candidates=(None,), prior_weight=0), "prior_weight"),
+])
+def test_bad_policies_are_refused(bad, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        AutoPolicy(**bad)
+
+
+def test_default_candidates():
+    c = default_candidates(8)
+    assert c[0] is None and SpecConfig.chain(2) in c and SpecConfig.chain(8) in c
+    assert SpecConfig(3, 2, 6) in c and all(s is None or s.num_draft_tokens <= 8 for s in c)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        default_candidates(1)
