@@ -235,3 +235,28 @@ def test_report_can_be_rebuilt_from_results(study, tmp_path):
     assert comparisons and all(c.workload == cells[0].workload for c in comparisons)
     assert (tmp_path / "report.md").is_file()
     assert (tmp_path / "accept_length.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_policy_row_joins_the_study(tiny_ckpt, tmp_path, monkeypatch):
+    """--policies fixed,auto: one auto cell per (workload, batch size), compared in the
+    report with the best fixed configuration and with no speculation; greedy and lossless."""
+    from branchspec.bench.report import POLICY_HEADERS
+
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path / "cache"))
+    g = torch.Generator().manual_seed(1)
+    prompts = {"alpha": [torch.randint(3, 64, (n,), generator=g).tolist() for n in (7, 12)]}
+    cfg = StudyConfig(model=tiny_ckpt, workloads=("alpha",), budgets=(4,), batch_sizes=(1, 2),
+                      tree_shapes=(TreeShape(2, 2),), max_tokens=6, num_prompts=2, dtype="float64", threads=1,
+                      out_dir=tmp_path / "out", prompts_override=prompts, progress=False,
+                      policies=("fixed", "auto"))
+    result = run_study(cfg)
+    auto = [c for c in result.cells if c.kind == "auto"]
+    assert len(result.cells) == cfg.num_cells() == 2 * 4 and len(auto) == 2
+    for cell in auto:
+        assert cell.matches_baseline is True and cell.tokens == cell.batch_size * 6
+        assert sum(cell.extra["choices"].values()) == cell.num_rounds
+    text = (result.out_dir / "report.md").read_text()
+    assert tuple(POLICY_HEADERS) in _table_headers(text)
+    assert result.summary["policy"]["cells"] == 2
+    with pytest.raises(ValueError, match="policies"):
+        StudyConfig(model=tiny_ckpt, policies=("best",))

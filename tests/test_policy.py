@@ -177,25 +177,35 @@ def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
 def test_observe_counts_tries_and_hits_by_depth_and_rank():
     tree = SpecConfig(2, 2, 5)
     stats = AcceptanceStats(AutoPolicy(candidates=(tree,), decay=0.5))
-    # root -> a (rank 0), b (rank 1); a -> c (rank 0), d (rank 1). Accepted: root, b.
-    parents = torch.tensor([[-1, 0, 0, 1, 1]])
-    keep = torch.tensor([[True, False, True, False, False]])
-    stats.observe([3], parents, keep, limit=[5])
-    assert stats.tries[3][0].tolist() == [1.0, 1.0] and stats.hits[3][0].tolist() == [0.0, 1.0]
-    assert stats.tries[3][1].tolist() == [0.0, 0.0]      # a was rejected: its children were not tried
-    stats.observe([3], parents, keep, limit=[1])         # no room for any draft: nothing tried
-    assert stats.tries[3][0].tolist() == [0.5, 0.5]
+    # Path: root (proposals 7, 8; target 8) -> node with proposals 4, 5 (target 6, the bonus)
+    # -> padding. The rank-2 proposal was right at depth 1, nothing at depth 2.
+    children = torch.tensor([[[7, 8], [4, 5], [-1, -1], [-1, -1], [-1, -1]]])
+    targets = torch.tensor([[8, 6, -1, -1, -1]])
+    stats.observe([3], children, targets)
+    assert stats.tries[3][:3].tolist() == [[1, 1], [1, 1], [0, 0]]
+    assert stats.hits[3][:3].tolist() == [[0, 1], [0, 0], [0, 0]]
+    # A node the drafter did not expand (the last of a chain) is not a try.
+    stats.observe([3], torch.tensor([[[7, -1], [-1, -1]]]), torch.tensor([[7, 2]]))
+    assert stats.tries[3][:2].tolist() == [[1.5, 0.5], [0.5, 0.5]]
+    assert stats.hits[3][0].tolist() == [1.0, 0.5]
     stats.forget(3)
     assert 3 not in stats.tries
+
+
+def chain_outcome(accepted: int, depth: int = 2):
+    """children/targets of a chain round over `depth` drafts where the first `accepted`
+    proposals were right."""
+    children = torch.tensor([[[10 + i] for i in range(depth)] + [[-1]]])
+    targets = torch.tensor([[10 + i if i < accepted else 99 for i in range(depth)] + [-1]])
+    return children, targets
 
 
 def test_requests_learn_their_own_acceptance():
     chain = SpecConfig.chain(3)
     stats = AcceptanceStats(AutoPolicy(candidates=(chain,)))
-    parents = torch.tensor([[-1, 0, 1]])
     for _ in range(30):
-        stats.observe([1], parents, torch.tensor([[True, True, True]]), limit=[3])
-        stats.observe([2], parents, torch.tensor([[True, False, False]]), limit=[3])
+        stats.observe([1], *chain_outcome(2))
+        stats.observe([2], *chain_outcome(0))
     q = stats.acceptance([1, 2])
     assert q[0, 0, 0] > 0.8 and q[1, 0, 0] < 0.2
     assert stats.expected_accept([1])[0, 0] > 2.5 > 1.3 > stats.expected_accept([2])[0, 0]
@@ -208,28 +218,32 @@ def flat_costs(target_ms: float, mtp_ms: float) -> CostModel:
 
 def test_policy_speculates_when_drafts_are_cheap_and_accepted_and_not_otherwise():
     policy = SpecConfig.auto()
-    parents = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]])
+    chain8 = SpecConfig.chain(8)
     # Cheap drafts, everything accepted: the deepest candidate wins.
     runner = SpecPolicyRunner(policy, flat_costs(10.0, 0.1))
     for _ in range(20):
-        runner.observe(SpecConfig.chain(8), [0], 0.011, parents, torch.ones(1, 8, dtype=torch.bool), [9])
+        runner.observe(chain8, [0], 0.011, *chain_outcome(7, depth=7), [8])
     assert runner.choose([0]).num_draft_tokens == 8
     # Drafts as dear as the target, nothing accepted: plain decoding.
     runner = SpecPolicyRunner(policy, flat_costs(10.0, 10.0))
     for _ in range(20):
-        runner.observe(SpecConfig.chain(8), [0], 0.1, parents, torch.tensor([[True] + [False] * 7]), [9])
+        runner.observe(chain8, [0], 0.1, *chain_outcome(0, depth=7), [1])
     assert runner.choose([0]) is None
     assert runner.counts == {"none": 1}
 
 
-def test_cost_model_learns_a_measured_round_time():
+def test_cost_model_learns_a_measured_round_overhead():
     costs = flat_costs(10.0, 1.0)
-    chain = SpecConfig.chain(4)
+    chain, tree = SpecConfig.chain(4), SpecConfig(3, 2, 6)
     before = costs.round_seconds(chain, 8)
-    for _ in range(30):
-        costs.observe(chain, 8, 3 * before)
-    assert costs.round_seconds(chain, 8) == pytest.approx(3 * before, rel=0.01)
-    assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64))   # other bucket untouched
+    for _ in range(40):
+        costs.observe(chain, 8, before + 0.004)
+    assert costs.round_seconds(chain, 8) == pytest.approx(before + 0.004, rel=0.01)
+    # A speculative candidate not run yet at this batch takes the same overhead; plain
+    # rounds and other batch sizes are untouched.
+    assert costs.round_seconds(tree, 8) == pytest.approx(costs.predict(tree, 8) + 0.004, rel=0.01)
+    assert costs.round_seconds(None, 8) == pytest.approx(costs.predict(None, 8))
+    assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64))
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
@@ -263,3 +277,33 @@ def test_default_candidates():
     assert SpecConfig(3, 2, 6) in c and all(s is None or s.num_draft_tokens <= 8 for s in c)
     with pytest.raises(ValueError, match="max_draft_tokens"):
         default_candidates(1)
+
+
+def test_cli_generate_with_the_auto_policy(capsys):
+    """The embedded model through the CLI: the policy's output equals plain decoding's and
+    it says which configurations ran."""
+    import json
+
+    from branchspec.cli import main
+
+    prompt = ["generate", "Question: Tom has 3 apples and buys 4 more. How many now?\nAnswer:", "--max-tokens", "24",
+              "--json"]
+    assert main([*prompt, "--speculative-policy", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main([*prompt, "--speculative-algorithm", "NONE"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert auto["token_ids"] == plain["token_ids"] and auto["spec"] == "auto"
+    assert sum(auto["rounds_by_configuration"].values()) >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-policy", "auto", "--speculative-algorithm", "NONE"], "needs speculation"),
+    (["--speculative-policy", "auto", "--speculative-eagle-topk", "2"], "fixes what"),
+    (["--speculative-policy", "auto", "--speculative-num-draft-tokens", "1"], "--speculative-num-draft-tokens"),
+])
+def test_cli_refuses_contradicting_policy_flags(argv, message, capsys):
+    from branchspec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hello", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

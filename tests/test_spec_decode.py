@@ -215,6 +215,8 @@ def test_drafted_tree_matches_a_sequential_drafter(trained_ckpt, prompts, spec):
                 ref.commit_mtp([0], meta, out.scratch[0], meta.valid)
                 logp = torch.log_softmax(out.logits[0, 0].float(), -1)
                 assert tokens[b] in logp.topk(spec.topk).indices.tolist()
+                # The drafter's recorded proposals after node a are this distribution's top-k.
+                assert tree.children[0, a].tolist() == logp.topk(spec.topk).indices.tolist()
                 total += float(logp[tokens[b]])
                 hidden = out.hidden[0, 0]
         assert abs(float(scores[node]) - total) < 1e-4, (node, path)

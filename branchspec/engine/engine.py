@@ -138,9 +138,11 @@ class Engine:
         else:
             result = self.runner.spec_round(running, chosen)
         if policy is not None:
-            limit = [s.num_remaining + 1 for s in running]
-            policy.observe(chosen, [s.seq_id for s in running], time.perf_counter() - t0,
-                           result.parents, result.keep, limit)
+            # The round's own time: feeding the drafter what plain rounds committed is a
+            # cost of having switched, not of this configuration.
+            seconds = time.perf_counter() - t0 - (self.runner.last_catch_up_seconds if chosen else 0.0)
+            policy.observe(chosen, [s.seq_id for s in running], seconds,
+                           result.path_children, result.path_targets, result.path_len)
         logprobs = result.logprobs or [None] * len(running)
         for seq, toks, lps in zip(running, result.emitted, logprobs):
             self._append(seq, toks, lps)

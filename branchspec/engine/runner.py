@@ -47,9 +47,11 @@ class RoundResult:
     path_len: list[int]          # per sequence, accepted nodes incl. root (committed tokens)
     # per sequence, one {token_id: logprob} per emitted token, or None where not asked for
     logprobs: list[list[dict[int, float]] | None] | None = None
-    # speculative rounds: the verified trees' parents [B, D] and accepted-path mask [B, D]
-    parents: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
+    # speculative rounds, along each accepted path (root first, padded past its end): the
+    # drafter's top-k proposals after each path node [B, D, k] (-1: not expanded) and the
+    # target's token there [B, D] (the next path token, then the bonus; -1 past the end)
+    path_children: torch.Tensor | None = None
+    path_targets: torch.Tensor | None = None
 
 
 def emitted_logprobs(seqs: list[Sequence], logits: torch.Tensor, nodes: torch.Tensor,
@@ -88,6 +90,7 @@ class ModelRunner:
         self.chunk = prefill_chunk_size
         self.device = model.embed.weight.device
         self.timer = PhaseTimer()
+        self.last_catch_up_seconds = 0.0    # of the last speculative round (drafter lag fed first)
         self.static = compile
         self.target, self.mtp_forward = model.forward, model.mtp_forward
         if compile:
@@ -216,6 +219,7 @@ class ModelRunner:
     def catch_up_drafter(self, seqs: list[Sequence]) -> None:
         """Feed the drafter the positions plain decode steps committed without it, all
         lagging requests in one chunk, so its KV again covers every committed position."""
+        self.last_catch_up_seconds = 0.0
         lagging = [s for s in seqs if s.drafter_lag]
         if not lagging:
             return
@@ -238,6 +242,7 @@ class ModelRunner:
         self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
         for s in lagging:
             s.drafter_lag.clear()
+        self.last_catch_up_seconds = time.perf_counter() - t0
         self.timer.record("draft_extend", t0)
 
     @torch.no_grad()
@@ -302,5 +307,13 @@ class ModelRunner:
             s.num_committed += path_len[b]
             s.last_hidden = last[b]
         self.timer.record("draft_extend", t0)
-        return RoundResult(emitted=emitted, path_len=path_len, logprobs=logprobs, parents=tree.parents,
-                           keep=acc.keep)
+        path_children = path_targets = None
+        if tree.children is not None:
+            D, k = tree.children.shape[1:]
+            path_children = tree.children.gather(1, acc.path[..., None].expand(B, D, k))
+            ahead = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)          # next path token
+            steps = torch.arange(D, device=dev)[None]
+            path_targets = torch.where(steps < (acc.path_len - 1)[:, None], ahead, -1)
+            path_targets[torch.arange(B, device=dev), acc.path_len - 1] = acc.bonus
+        return RoundResult(emitted=emitted, path_len=path_len, logprobs=logprobs, path_children=path_children,
+                           path_targets=path_targets)

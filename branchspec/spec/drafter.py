@@ -33,6 +33,10 @@ class DraftTree:
     tokens: torch.Tensor      # [B, D] token ids, tokens[:, 0] = root
     parents: torch.Tensor     # [B, D] parent node index, -1 for the root
     scores: torch.Tensor      # [B, D] cumulative draft log-probability, 0 for the root
+    # [B, D, topk] the drafter's top-k proposals after each node, best first, whether or not
+    # they were kept; -1 for nodes the drafter did not expand. An adaptive policy compares
+    # them with the target's tokens to learn acceptance by depth and rank without bias.
+    children: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -71,6 +75,8 @@ class MTPDrafter:
         cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
         cand_anc = torch.ones(B, k, 1, dtype=torch.bool, device=device)         # [B, C, X] ancestor slots
         frontier = torch.arange(k, device=device).expand(B, k)      # candidate indices
+        root_children = cand_tok
+        cand_children = torch.full((B, k, k), -1, dtype=torch.long, device=device)   # [B, C, k]
 
         for step in range(1, spec.num_steps):
             X = slot_k.shape[1]
@@ -105,6 +111,9 @@ class MTPDrafter:
             child_anc = child_anc[:, :, None, :].expand(B, k, k, X + k).reshape(B, k * k, X + k)
 
             C = cand_tok.shape[1]
+            cand_children = cand_children.scatter(1, frontier[..., None].expand(B, k, k), child_tok)
+            cand_children = torch.cat([cand_children, torch.full((B, k * k, k), -1, dtype=torch.long,
+                                                                 device=device)], dim=1)
             cand_tok = torch.cat([cand_tok, child_tok.reshape(B, k * k)], dim=1)
             cand_score = torch.cat([cand_score, child_score], dim=1)
             cand_parent = torch.cat([cand_parent, child_parent], dim=1)
@@ -114,14 +123,17 @@ class MTPDrafter:
             best = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
             frontier = C + best
 
-        return select_tree(root_ids, cand_tok, cand_parent, cand_score, D)
+        return select_tree(root_ids, cand_tok, cand_parent, cand_score, D, root_children, cand_children)
 
 
 def select_tree(root_ids: torch.Tensor, cand_tok: torch.Tensor, cand_parent: torch.Tensor,
-                cand_score: torch.Tensor, num_draft_tokens: int) -> DraftTree:
+                cand_score: torch.Tensor, num_draft_tokens: int, root_children: torch.Tensor | None = None,
+                cand_children: torch.Tensor | None = None) -> DraftTree:
     """Keep the best D-1 candidates (ancestor-closed), ordered by creation (parents first).
 
-    cand_*: [B, C] with cand_parent = -1 for children of the root.
+    cand_*: [B, C] with cand_parent = -1 for children of the root; root_children [B, k]
+    and cand_children [B, C, k] (-1 rows where not expanded), when given, become the
+    tree's `children`.
     """
     B, C = cand_tok.shape
     keep_n = num_draft_tokens - 1
@@ -135,4 +147,9 @@ def select_tree(root_ids: torch.Tensor, cand_tok: torch.Tensor, cand_parent: tor
     parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=cand_tok.device), parents], dim=1)
     scores = torch.cat([torch.zeros(B, 1, dtype=cand_score.dtype, device=cand_score.device),
                         cand_score.gather(1, kept)], dim=1)
-    return DraftTree(tokens=tokens, parents=parents, scores=scores)
+    children = None
+    if cand_children is not None:
+        k = cand_children.shape[2]
+        kept_children = cand_children.gather(1, kept[..., None].expand(B, keep_n, k))
+        children = torch.cat([root_children[:, None], kept_children], dim=1)      # [B, D, k]
+    return DraftTree(tokens=tokens, parents=parents, scores=scores, children=children)

@@ -8,8 +8,10 @@ of B requests, the policy estimates
 and runs the argmax. Both factors are measured, not assumed:
 
 * **Acceptance** (`AcceptanceStats`): for every request, decayed counts of how often the
-  drafter's rank-r child at depth d was accepted when its parent was (rank = order of the
-  drafter's probability among siblings; a chain only ever tries rank 1). Under that
+  drafter's rank-r proposal after an accepted depth-d node was the target's token there
+  (rank = order of the drafter's probability; the drafter's proposals are compared
+  whether or not the tree kept them, so the counts are not biased towards the nodes a
+  tree happened to keep). Under that
   positional model a node reached by ranks r_1..r_j is accepted with probability
   q(1, r_1) ... q(j, r_j), and a candidate's expected accept length is 1 (the bonus token)
   plus the sum of its best D-1 node values within its depth and branching: the tree
@@ -18,8 +20,8 @@ and runs the argmax. Both factors are measured, not assumed:
   round has tried yet get tried.
 * **Round time** (`CostModel`): the target's and the drafter's forward time at (batch,
   tokens per request), measured once on this machine at start-up and cached on disk, then
-  composed per candidate (draft steps + verify + draft-extend, or one decode step) and
-  corrected online by each candidate's measured round times.
+  composed per candidate (draft steps + verify + draft-extend, or one decode step), plus
+  each candidate's per-round overhead learned online from its measured round times.
 
 Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
 the target model's. The decision is a few small numpy operations per round.
@@ -130,40 +132,31 @@ class AcceptanceStats:
         taken = allowed & (np.cumsum(allowed, axis=2) <= self.keep[None, :, None])
         return 1.0 + (taken * ranked[:, None, :]).sum(axis=2)
 
-    def observe(self, seq_ids: list[int], parents: torch.Tensor, keep: torch.Tensor,
-                limit: list[int]) -> None:
-        """One verified round. parents: [B, D] (-1 root); keep: [B, D] accepted-path mask;
-        limit: per request, the most path nodes the round could accept (its token budget)."""
+    def observe(self, seq_ids: list[int], children: torch.Tensor, targets: torch.Tensor) -> None:
+        """One verified round. children: [B, D, k] the drafter's proposals after each node
+        of the accepted path (-1 where it did not expand the node); targets: [B, D] the
+        target's token at each path node (-1 past the path's end).
+
+        At every path node the drafter expanded, each rank r is one try at that depth, and
+        a hit when its proposal is the target's token: an unbiased sample of "the rank-r
+        child is accepted given its parent was", whichever nodes the tree happened to keep.
+        """
+        ch = children.cpu().numpy()
+        valid = (ch >= 0) & (targets.cpu().numpy()[..., None] >= 0)
+        hit = valid & (ch == targets.cpu().numpy()[..., None])
+        D, k = min(ch.shape[1], MAX_DEPTH), min(ch.shape[2], self.R)
         decay = self.policy.decay
-        par = parents.tolist()
-        kept = keep.tolist()
-        g_hits = np.zeros_like(self.global_hits)
-        g_tries = np.zeros_like(self.global_tries)
+        tries = np.zeros((len(seq_ids), MAX_DEPTH, self.R))
+        hits = np.zeros_like(tries)
+        tries[:, :D, :k] = valid[:, :D, :k]
+        hits[:, :D, :k] = hit[:, :D, :k]
         for b, sid in enumerate(seq_ids):
-            p, k = par[b], kept[b]
-            depth = [0] * len(p)
-            rank = [0] * len(p)
-            seen: dict[int, int] = {}
-            hits = np.zeros_like(self.global_hits)
-            tries = np.zeros_like(self.global_tries)
-            for n in range(1, len(p)):
-                depth[n] = depth[p[n]] + 1
-                rank[n] = seen.get(p[n], 0)
-                seen[p[n]] = rank[n] + 1
-                d, r = depth[n] - 1, rank[n]
-                # Tried whenever its parent was accepted and the budget allowed one more
-                # node; a hit when it is the child the walk descended into.
-                if k[p[n]] and depth[n] < limit[b] and r < self.R and d < MAX_DEPTH:
-                    tries[d, r] += 1
-                    hits[d, r] += k[n]
             old_h, old_t = self.hits.get(sid), self.tries.get(sid)
-            self.hits[sid] = hits if old_h is None else decay * old_h + hits
-            self.tries[sid] = tries if old_t is None else decay * old_t + tries
-            g_hits += hits
-            g_tries += tries
+            self.hits[sid] = hits[b] if old_h is None else decay * old_h + hits[b]
+            self.tries[sid] = tries[b] if old_t is None else decay * old_t + tries[b]
         gd = decay ** (1.0 / max(1, len(seq_ids)))     # engine-wide: about one decay per request-round
-        self.global_hits = gd * self.global_hits + g_hits
-        self.global_tries = gd * self.global_tries + g_tries
+        self.global_hits = gd * self.global_hits + hits.sum(axis=0)
+        self.global_tries = gd * self.global_tries + tries.sum(axis=0)
 
 
 # -- round time ---------------------------------------------------------------------------
@@ -175,8 +168,8 @@ class CostModel:
     target[i, j] / mtp[i, j]: seconds of one forward at batch BATCHES[i] with TOKENS[j] new
     tokens per request (over a committed context). Off-grid points interpolate linearly in
     log(batch) and in tokens. `correction` holds, per (candidate, batch bucket), the EWMA of
-    measured / predicted round time, so overheads the grid does not see (plan, accept,
-    commit, Python) are learned as rounds run.
+    measured - predicted round time: the per-round overhead the grid does not see (plan,
+    accept, commit, sampling, Python), learned as rounds run.
     """
 
     TOKENS = (1, 2, 4, 8, 16)
@@ -217,22 +210,28 @@ class CostModel:
         return 1 << max(0, (batch - 1).bit_length())
 
     def round_seconds(self, spec: SpecConfig | None, batch: int) -> float:
-        """Predicted seconds times the correction measured for this candidate at this
-        batch bucket; a speculative candidate not run there yet takes the correction of
-        the speculative rounds that were (their overheads are alike), else 1."""
+        """Predicted forward seconds plus the round's measured overhead beyond them (plan,
+        accept, commit, sampling, Python): this candidate's at this batch bucket, or, for a
+        candidate not run there yet, that of its kind (speculative or plain), else none."""
         bucket = self.bucket(batch)
-        factor = self.correction.get((spec_label(spec), bucket))
-        if factor is None:
-            factor = self.correction.get(("speculative" if spec is not None else "none", bucket), 1.0)
-        return self.predict(spec, batch) * factor
+        extra = self.correction.get((spec_label(spec), bucket))
+        if extra is None:
+            extra = self.correction.get(("speculative" if spec is not None else "none", bucket), 0.0)
+        return self.predict(spec, batch) + extra
 
     def observe(self, spec: SpecConfig | None, batch: int, seconds: float, weight: float = 0.2) -> None:
+        """A measured round: move the overhead estimates towards measured - predicted. A
+        new candidate starts from its kind's estimate (speculative rounds share their
+        glue), so one slow first round (allocation, a cold cache) cannot condemn it; one
+        round moves an estimate by at most a fifth of its surprise."""
         bucket = self.bucket(batch)
-        ratio = seconds / max(self.predict(spec, batch), 1e-9)
-        keys = [(spec_label(spec), bucket)] + ([("speculative", bucket)] if spec is not None else [])
-        for key in keys:
-            old = self.correction.get(key)
-            self.correction[key] = ratio if old is None else (1 - weight) * old + weight * ratio
+        predicted = self.predict(spec, batch)
+        extra = min(max(seconds - predicted, -0.5 * predicted), 3.0 * predicted)
+        shared = ("speculative" if spec is not None else "none", bucket)
+        start = self.correction.get(shared, 0.0)
+        for key in ((spec_label(spec), bucket), shared):
+            old = self.correction.get(key, start)
+            self.correction[key] = (1 - weight) * old + weight * extra
 
     def to_dict(self) -> dict:
         return {"batches": list(self.batches), "tokens": list(self.TOKENS),
@@ -402,14 +401,17 @@ class SpecPolicyRunner:
         return best
 
     def observe(self, spec: SpecConfig | None, seq_ids: list[int], seconds: float,
-                parents: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                limit: list[int] | None = None) -> None:
+                children: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                path_len: list[int] | None = None) -> None:
+        """The outcome of the round `choose` picked: its wall time, and for a speculative
+        round the drafter's proposals against the target's tokens along each accepted path
+        and the path lengths."""
         t0 = time.perf_counter()
         self.costs.observe(spec, len(seq_ids), seconds)
-        if spec is not None and parents is not None:
-            self.stats.observe(seq_ids, parents, keep, limit)
+        if spec is not None and children is not None:
+            self.stats.observe(seq_ids, children, targets)
             if self._predicted_tokens is not None and spec is self.last_choice:
-                self._calibrate(spec, float(keep.sum()), self._predicted_tokens, len(seq_ids))
+                self._calibrate(spec, float(sum(path_len)), self._predicted_tokens, len(seq_ids))
         elif spec is None:
             self.stats.relax()
         self._predicted_tokens = None
