@@ -6,10 +6,26 @@ import argparse
 import json
 import sys
 
-from branchspec.config import SamplingParams, SpecConfig
+from branchspec.config import AutoPolicy, SamplingParams, SpecConfig
 
 
-def _spec_from_args(args, parser) -> SpecConfig | None:
+POLICY_HELP = ("fixed: one configuration for every round (the --speculative-* flags); auto: pick the "
+               "configuration, or none, before every round from live acceptance and measured costs "
+               "(SpecConfig.auto; --speculative-num-draft-tokens caps its budget, default 8)")
+
+
+def _spec_from_args(args, parser) -> SpecConfig | AutoPolicy | None:
+    if getattr(args, "speculative_policy", "fixed") == "auto":
+        if args.speculative_algorithm.upper() == "NONE":
+            parser.error("--speculative-policy auto needs speculation; drop --speculative-algorithm NONE")
+        fixed = [f for f in ("speculative_num_steps", "speculative_eagle_topk") if getattr(args, f) is not None]
+        if fixed:
+            parser.error(f"--{fixed[0].replace('_', '-')} fixes what --speculative-policy auto chooses; "
+                         "drop one of them")
+        try:
+            return SpecConfig.auto(max_draft_tokens=args.speculative_num_draft_tokens or 8)
+        except ValueError as e:
+            parser.error(str(e).replace("SpecConfig.auto.max_draft_tokens", "--speculative-num-draft-tokens"))
     if args.speculative_algorithm.upper() == "NONE":
         return None
     steps = args.speculative_num_steps if args.speculative_num_steps is not None else 3
@@ -34,6 +50,7 @@ def _add_generate(sub):
     p.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching per step (default 2; 1 = chain)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="verify budget D per round, root included (default 6; steps+1 for a chain)")
+    p.add_argument("--speculative-policy", default="fixed", choices=["fixed", "auto"], help=POLICY_HELP)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -63,15 +80,22 @@ def _generate(args) -> int:
         out = llm.generate([args.prompt], params, spec=spec)[0]
     st = llm.last_stats
     phases = {k: round(v * 1e3 / max(st.num_rounds, 1), 3) for k, v in st.phase_seconds.items()}
+    auto = isinstance(spec, AutoPolicy)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "accept_length": out.accept_length,
                           "decode_tok_s": st.decode_throughput, "ms_per_round": phases,
-                          "spec": None if spec is None else vars(spec)}))
+                          "spec": "auto" if auto else None if spec is None else vars(spec),
+                          **({"rounds_by_configuration": st.spec_choices} if auto else {})}))
         return 0
     print(out.text)
     print("-" * 60)
-    what = "plain decoding" if spec is None else (
-        f"steps={spec.num_steps} topk={spec.topk} D={spec.num_draft_tokens}")
+    if auto:
+        what = "adaptive policy (" + ", ".join(f"{k}: {v} rounds" for k, v in
+                                               sorted(st.spec_choices.items(), key=lambda kv: -kv[1])) + ")"
+    elif spec is None:
+        what = "plain decoding"
+    else:
+        what = f"steps={spec.num_steps} topk={spec.topk} D={spec.num_draft_tokens}"
     print(f"{len(out.token_ids)} tokens, {what}, finish={out.finish_reason}")
     if spec is not None:
         print(f"accept length {out.accept_length:.2f} tokens/round over {out.num_rounds} rounds")
@@ -94,6 +118,7 @@ def _add_serve(sub):
     p.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching per step (default 2; 1 = chain)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="verify budget D per round, root included (default 6; steps+1 for a chain)")
+    p.add_argument("--speculative-policy", default="fixed", choices=["fixed", "auto"], help=POLICY_HELP)
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="requests decoded together at most (the batch; page pools are sized for it)")
     p.add_argument("--max-queued-requests", type=int, default=256,
@@ -119,7 +144,7 @@ def _serve_spec(args, parser) -> SpecConfig | None:
     given = [f for f in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
              if getattr(args, f) is not None]
     if args.speculative_algorithm is None:
-        args.speculative_algorithm = "EAGLE" if given else "NONE"
+        args.speculative_algorithm = "EAGLE" if given or args.speculative_policy == "auto" else "NONE"
     elif args.speculative_algorithm.upper() == "NONE" and given:
         parser.error(f"--{given[0].replace('_', '-')} needs speculation; drop --speculative-algorithm NONE")
     return _spec_from_args(args, parser)
