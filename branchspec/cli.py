@@ -234,8 +234,28 @@ def _weights_arg(text: str) -> dict:
 
 
 def _train(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
     from branchspec.train.trainer import TrainConfig, train
 
+    saved = Path(args.out) / "train_config.json"
+    if args.resume and saved.is_file():
+        # A resumed run keeps the settings it started with (the schedule depends on them);
+        # flags that would change them are refused rather than silently ignored.
+        cfg = TrainConfig(**json.loads(saved.read_text()))
+        fresh = args.parser.parse_args(["--out", args.out])
+        changed = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                   if k not in ("resume", "stop_after", "export", "func", "parser")
+                   and v != getattr(fresh, k, v)]
+        if changed:
+            args.parser.error(f"{', '.join(changed)}: a resumed run takes its settings from {saved}; "
+                              "drop them (or start a new --out)")
+        cfg = dataclasses.replace(cfg, out=args.out)
+        folder = train(cfg, resume=True, export=args.export, stop_after=args.stop_after)
+        print(f"checkpoint written to {folder}" if folder is not None else
+              f"stopped before the last step; state saved in {cfg.out} (continue with --resume)")
+        return 0
     try:
         cfg = TrainConfig(out=args.out, model=args.model, steps=args.steps, batch_size=args.batch_size,
                           seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, mtp_weight=args.mtp_weight,

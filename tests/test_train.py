@@ -141,3 +141,18 @@ def test_bf16_choice_is_a_cpu_check():
 
     assert resolve_precision("float32") == "float32"
     assert resolve_precision("auto") == ("bfloat16" if bf16_is_fast() else "float32")
+
+
+def test_cli_resume_takes_the_saved_settings(tmp_path, mbpp_path, capsys):
+    """`branchspec train --out DIR --resume` continues with DIR's train_config.json; a flag
+    that would change the run is refused."""
+    from branchspec.cli import main
+
+    out = tmp_path / "run"
+    cfg = _small(out, 3, mbpp_path)
+    assert train(cfg, progress=False, stop_after=1) is None
+    with pytest.raises(SystemExit):
+        main(["train", "--out", str(out), "--resume", "--lr", "0.5"])
+    assert "--lr" in capsys.readouterr().err
+    assert main(["train", "--out", str(out), "--resume", "--stop-after", "1"]) == 0
+    assert json.loads((out / "resume.json").read_text())["step"] == 2
