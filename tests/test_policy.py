@@ -165,29 +165,33 @@ def test_auto_policy_sampled_follows_target_distribution(tmp_path):
 def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
     chain = SpecConfig.chain(4)
     stats = AcceptanceStats(AutoPolicy(candidates=(chain, SpecConfig(2, 2, 4))))
-    q = np.full((16, 2), 0.1)
-    q[0, 0], q[1, 0], q[2, 0] = 0.9, 0.5, 0.2
+    q = np.full((2, 16, 2), 0.1)
+    q[0, 0, 0], q[0, 1, 0], q[0, 2, 0] = 0.9, 0.5, 0.2          # main line, rank 1
+    q[1, 1, 0] = 0.3                                              # off the main line, rank 1
     stats.acceptance = lambda ids: q[None].repeat(len(ids), 0)
     e = stats.expected_accept([7])
     assert e[0, 0] == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2)
-    # The 2x2 tree at D=4 keeps the best three of: 0.9, 0.1 (rank 2), 0.45, 0.09, 0.09, 0.01.
+    # The 2x2 tree at D=4 keeps the best three of: 0.9, 0.1 (rank 2), 0.45, 0.09 (main line)
+    # and, under the rank-2 child (off the line), 0.1 * 0.3 and 0.1 * 0.1.
     assert e[0, 1] == pytest.approx(1 + 0.9 + 0.45 + 0.1)
 
 
 def test_observe_counts_tries_and_hits_by_depth_and_rank():
     tree = SpecConfig(2, 2, 5)
     stats = AcceptanceStats(AutoPolicy(candidates=(tree,), decay=0.5))
-    # Path: root (proposals 7, 8; target 8) -> node with proposals 4, 5 (target 6, the bonus)
-    # -> padding. The rank-2 proposal was right at depth 1, nothing at depth 2.
+    # Path: root (proposals 7, 8; target 8: the rank-2 child) -> node with proposals 4, 5
+    # (target 6, the bonus) -> padding. That node is off the drafter's main line.
     children = torch.tensor([[[7, 8], [4, 5], [-1, -1], [-1, -1], [-1, -1]]])
     targets = torch.tensor([[8, 6, -1, -1, -1]])
     stats.observe([3], children, targets)
-    assert stats.tries[3][:3].tolist() == [[1, 1], [1, 1], [0, 0]]
-    assert stats.hits[3][:3].tolist() == [[0, 1], [0, 0], [0, 0]]
-    # A node the drafter did not expand (the last of a chain) is not a try.
-    stats.observe([3], torch.tensor([[[7, -1], [-1, -1]]]), torch.tensor([[7, 2]]))
-    assert stats.tries[3][:2].tolist() == [[1.5, 0.5], [0.5, 0.5]]
-    assert stats.hits[3][0].tolist() == [1.0, 0.5]
+    t, h = stats.tries[3], stats.hits[3]
+    assert t[0, :2].tolist() == [[1, 1], [0, 0]] and h[0, :2].tolist() == [[0, 1], [0, 0]]   # main line
+    assert t[1, :2].tolist() == [[0, 0], [1, 1]] and h[1, :2].tolist() == [[0, 0], [0, 0]]   # off it
+    # A chain path stays on the main line; a node the drafter did not expand is not a try.
+    stats.observe([3], torch.tensor([[[7, -1], [9, -1], [-1, -1]]]), torch.tensor([[7, 9, 2]]))
+    t, h = stats.tries[3], stats.hits[3]
+    assert t[0, :2].tolist() == [[1.5, 0.5], [1.0, 0.0]] and h[0, :2].tolist() == [[1.0, 0.5], [1.0, 0.0]]
+    assert t[1, 1].tolist() == [0.5, 0.5]
     stats.forget(3)
     assert 3 not in stats.tries
 
@@ -207,7 +211,7 @@ def test_requests_learn_their_own_acceptance():
         stats.observe([1], *chain_outcome(2))
         stats.observe([2], *chain_outcome(0))
     q = stats.acceptance([1, 2])
-    assert q[0, 0, 0] > 0.8 and q[1, 0, 0] < 0.2
+    assert q[0, 0, 0, 0] > 0.8 and q[1, 0, 0, 0] < 0.2
     assert stats.expected_accept([1])[0, 0] > 2.5 > 1.3 > stats.expected_accept([2])[0, 0]
 
 

@@ -50,10 +50,17 @@ MAX_DEPTH = 16
 PRIOR_RANK1 = 0.6
 
 
+# Acceptance is kept apart for nodes whose parent is on the drafter's main line (every
+# node above it was its parent's top proposal: the chain) and for the others: after the
+# drafter was wrong once, its later proposals are right less often, and a chain's
+# estimate must not be diluted by what trees see off its line.
+MAIN, OFF = 0, 1
+
+
 def _prior(max_rank: int) -> np.ndarray:
-    """[MAX_DEPTH, R] prior acceptance probabilities."""
+    """[2, MAX_DEPTH, R] prior acceptance probabilities (main line, off it)."""
     ranks = PRIOR_RANK1 * 0.5 ** np.arange(max_rank)
-    return np.tile(ranks, (MAX_DEPTH, 1))
+    return np.stack([np.tile(ranks, (MAX_DEPTH, 1)), np.tile(ranks * 0.75, (MAX_DEPTH, 1))])
 
 
 # -- expected accept length ---------------------------------------------------------------
@@ -76,7 +83,7 @@ class AcceptanceStats:
     def __init__(self, policy: AutoPolicy):
         self.policy = policy
         self.R = max((c.topk for c in policy.speculative), default=1)
-        shape = (MAX_DEPTH, self.R)
+        shape = (2, MAX_DEPTH, self.R)
         # Engine-wide counts start as 4 pseudo-observations of the prior.
         self.prior_hits, self.prior_tries = _prior(self.R) * 4.0, np.full(shape, 4.0)
         self.global_hits, self.global_tries = self.prior_hits.copy(), self.prior_tries.copy()
@@ -92,10 +99,13 @@ class AcceptanceStats:
             for path in candidate_paths(spec):
                 mine.append(paths.setdefault(path, len(paths)))
             members.append(mine)
-        self.edges = np.zeros((len(paths), MAX_DEPTH * self.R))
+        self.edges = np.zeros((len(paths), 2 * MAX_DEPTH * self.R))
         for path, i in paths.items():
+            line = MAIN
             for depth, rank in path:
-                self.edges[i, depth * self.R + rank] = 1.0
+                self.edges[i, (line * MAX_DEPTH + depth) * self.R + rank] = 1.0
+                if rank:
+                    line = OFF
         self.member = np.zeros((len(self.specs), len(paths)), dtype=bool)
         for c, mine in enumerate(members):
             self.member[c, mine] = True
@@ -113,7 +123,8 @@ class AcceptanceStats:
         self.tries.pop(seq_id, None)
 
     def acceptance(self, seq_ids: list[int]) -> np.ndarray:
-        """[B, MAX_DEPTH, R] estimated P(rank-r child at depth d accepted | parent accepted)."""
+        """[B, 2, MAX_DEPTH, R] estimated P(rank-r child at depth d accepted | parent accepted),
+        for parents on the drafter's main line and off it."""
         w = self.policy.prior_weight
         g = self.global_hits / self.global_tries
         zero = np.zeros_like(g)
@@ -124,7 +135,7 @@ class AcceptanceStats:
     def expected_accept(self, seq_ids: list[int]) -> np.ndarray:
         """[B, C] expected tokens one round of each speculative candidate emits (bonus
         included) for each request: 1 + its best D-1 node values, all candidates at once."""
-        logq = np.log(self.acceptance(seq_ids)).reshape(len(seq_ids), -1)     # [B, MAX_DEPTH * R]
+        logq = np.log(self.acceptance(seq_ids)).reshape(len(seq_ids), -1)     # [B, 2 * MAX_DEPTH * R]
         values = np.exp(logq @ self.edges.T)                                  # [B, N]
         order = np.argsort(-values, axis=1, kind="stable")                   # best first
         ranked = np.take_along_axis(values, order, axis=1)                    # [B, N]
@@ -142,14 +153,21 @@ class AcceptanceStats:
         child is accepted given its parent was", whichever nodes the tree happened to keep.
         """
         ch = children.cpu().numpy()
-        valid = (ch >= 0) & (targets.cpu().numpy()[..., None] >= 0)
-        hit = valid & (ch == targets.cpu().numpy()[..., None])
+        tg = targets.cpu().numpy()[..., None]
+        valid = (ch >= 0) & (tg >= 0)
+        hit = valid & (ch == tg)                                            # [B, D, k]
+        # Path node i is on the main line when every path node up to it was its parent's
+        # top proposal (the root always is).
+        top = hit[:, :, 0]
+        main = np.concatenate([np.ones_like(top[:, :1]), np.cumprod(top[:, :-1], axis=1)], axis=1).astype(bool)
         D, k = min(ch.shape[1], MAX_DEPTH), min(ch.shape[2], self.R)
         decay = self.policy.decay
-        tries = np.zeros((len(seq_ids), MAX_DEPTH, self.R))
+        tries = np.zeros((len(seq_ids), 2, MAX_DEPTH, self.R))
         hits = np.zeros_like(tries)
-        tries[:, :D, :k] = valid[:, :D, :k]
-        hits[:, :D, :k] = hit[:, :D, :k]
+        for line, where in ((MAIN, main), (OFF, ~main)):
+            mask = where[:, :D, None]
+            tries[:, line, :D, :k] = valid[:, :D, :k] & mask
+            hits[:, line, :D, :k] = hit[:, :D, :k] & mask
         for b, sid in enumerate(seq_ids):
             old_h, old_t = self.hits.get(sid), self.tries.get(sid)
             self.hits[sid] = hits[b] if old_h is None else decay * old_h + hits[b]
