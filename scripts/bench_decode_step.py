@@ -6,7 +6,7 @@ one step feeds one token per sequence through gather -> forward -> commit. With 
 the compiled fast path is timed too (it compiles first: about a minute per model). Prints a
 table, then one line of JSON.
 
-    python scripts/bench_decode_step.py [--context 512] [--steps 20] [--threads N] [--compile]
+    python scripts/bench_decode_step.py [--context 512] [--steps 20] [--threads N] [--compile] [--models tiny,v4-mini,v4-mini-v2]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
-from branchspec.config import tiny_config, v4_mini_config
+from branchspec.config import tiny_config, v4_mini_config, v4_mini_v2_config
+from branchspec.model.layers import Experts
 from branchspec.model.metadata import chain_meta
 from branchspec.model.weights import random_model
 
@@ -59,12 +60,20 @@ def step_times(model, batch: int, context: int, steps: int, compiled: bool = Fal
     return times[3:]
 
 
+PRESETS = {"tiny": tiny_config, "v4-mini": v4_mini_config, "v4-mini-v2": v4_mini_v2_config}
+
+
 @torch.no_grad()
 def floor_times(model, batch: int, steps: int) -> list[float]:
     """The step's matmuls alone: every target Linear (and the LM head) applied once to a
     [batch, in_features] input, back to back."""
     weights = [m.weight for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and not name.startswith("mtp")]
+    # MoE: each token runs num_experts_per_tok routed experts (counted as the first k).
+    for name, m in model.named_modules():
+        if isinstance(m, Experts) and not name.startswith("mtp"):
+            for e in range(model.cfg.num_experts_per_tok):
+                weights += [m.w1[e], m.w3[e], m.w2[e]]
     inputs = [torch.randn(batch, w.shape[1]) for w in weights]
     times = []
     for _ in range(steps + 3):
@@ -81,12 +90,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="also time the compiled fast path")
+    ap.add_argument("--models", default="tiny,v4-mini,v4-mini-v2",
+                    help="comma-separated presets among " + ", ".join(PRESETS))
     args = ap.parse_args()
+    unknown = [m for m in args.models.split(",") if m not in PRESETS]
+    if unknown:
+        ap.error(f"unknown model preset(s) {unknown}; choose from {list(PRESETS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = ("eager", "compiled") if args.compile else ("eager",)
     rows = []
-    for name, cfg in (("tiny", tiny_config()), ("v4-mini", v4_mini_config())):
+    for name in args.models.split(","):
+        cfg = PRESETS[name]()
         model = random_model(cfg, seed=0)
         for batch in (1, 64):
             floor = statistics.median(floor_times(model, batch, args.steps))
@@ -95,9 +110,9 @@ def main() -> None:
                 rows.append({"model": name, "path": path, "batch": batch, "context": args.context,
                              "median_ms": 1e3 * t, "floor_ms": 1e3 * floor, "x_floor": t / floor,
                              "tok_per_s": batch / t})
-    print(f"{'model':8} {'path':9} {'batch':>5} {'median ms':>10} {'floor ms':>9} {'x floor':>8} {'tok/s':>8}")
+    print(f"{'model':10} {'path':9} {'batch':>5} {'median ms':>10} {'floor ms':>9} {'x floor':>8} {'tok/s':>8}")
     for r in rows:
-        print(f"{r['model']:8} {r['path']:9} {r['batch']:5d} {r['median_ms']:10.2f} {r['floor_ms']:9.2f} "
+        print(f"{r['model']:10} {r['path']:9} {r['batch']:5d} {r['median_ms']:10.2f} {r['floor_ms']:9.2f} "
               f"{r['x_floor']:8.1f} {r['tok_per_s']:8.0f}")
     print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}))
 

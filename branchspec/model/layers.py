@@ -234,7 +234,7 @@ def feed_forward(cfg: ModelConfig, hashed: bool = False) -> nn.Module:
 def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """streams: [..., n, d] -> fn applied to the RMS-normalised flattened streams [..., rows]."""
     flat = streams.flatten(-2)
-    return F.linear(unit_rms(flat, eps), fn)
+    return F.linear(F.rms_norm(flat, (flat.shape[-1],), eps=eps), fn)     # unit_rms in one op
 
 
 @functools.cache
