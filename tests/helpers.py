@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
 from branchspec.config import tiny_config
@@ -69,3 +72,45 @@ def checkpoint_with_tokenizer(folder: Path, corpus: list[str], seed: int = 1) ->
     save_checkpoint(random_model(cfg, seed=seed, std=0.3), folder)
     tok.save(folder)
     return folder
+
+
+@contextmanager
+def lifted_float32_islands(hf_model, tables: dict):
+    """Lift transformers' float32 islands to float64 inside the block: `.float()`,
+    `.to(torch.float32)` and `softmax(dtype=float32)` keep float64 tensors as they are,
+    and the model's RoPE tables are `tables` ({"main", "compress"}, branchspec's float64
+    `rope_tables`; transformers builds them in float32 at init, and `from_pretrained`
+    leaves them float32 whatever the model's dtype), then the originals are put back."""
+    to, as_float, t_softmax, f_softmax = torch.Tensor.to, torch.Tensor.float, torch.Tensor.softmax, F.softmax
+
+    def keep64_to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("dtype")
+        if self.dtype == torch.float64 and target is torch.float32:
+            return self
+        return to(self, *args, **kwargs)
+
+    def keep64(fn):
+        def wrapped(x, *args, dtype=None, **kwargs):
+            if x.dtype == torch.float64:
+                return fn(x, *args, **kwargs)
+            return fn(x, *args, dtype=dtype, **kwargs)
+        return wrapped
+
+    saved = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "to", keep64_to)
+        mp.setattr(torch.Tensor, "float", lambda self: self if self.dtype == torch.float64 else as_float(self))
+        mp.setattr(torch.Tensor, "softmax", keep64(t_softmax))
+        mp.setattr(F, "softmax", keep64(f_softmax))
+        try:
+            for module in hf_model.modules():
+                if type(module).__name__ == "DeepseekV4RotaryEmbedding":
+                    for kind in ("main", "compress"):
+                        name = f"{kind}_inv_freq"
+                        original = getattr(module, name)
+                        saved.append((module, name, original))
+                        setattr(module, name, tables[kind].to(original.device).clone())   # a float64 buffer
+            yield
+        finally:
+            for module, name, original in saved:
+                setattr(module, name, original)

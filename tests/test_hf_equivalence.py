@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 
 from branchspec import LLM, SamplingParams, SpecConfig  # noqa: E402
 from branchspec.model.layers import rope_tables  # noqa: E402
 from branchspec.spec.tree import build_verify_plan  # noqa: E402
-from helpers import feed, new_cache  # noqa: E402
+from helpers import feed, lifted_float32_islands, new_cache  # noqa: E402
 
 V = 64
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -84,40 +83,11 @@ def llm(hf_folder):
 
 
 @pytest.fixture
-def exact_transformers(monkeypatch, hf_model, llm):
-    """Lift transformers' float32 islands to float64 for this test: `.float()`,
-    `.to(torch.float32)` and `softmax(dtype=float32)` keep float64 tensors as they are,
-    and its RoPE tables are recomputed in float64 (they are built in float32 at init)."""
-    to, as_float, t_softmax, f_softmax = torch.Tensor.to, torch.Tensor.float, torch.Tensor.softmax, F.softmax
-
-    def keep64_to(self, *args, **kwargs):
-        target = args[0] if args else kwargs.get("dtype")
-        if self.dtype == torch.float64 and target is torch.float32:
-            return self
-        return to(self, *args, **kwargs)
-
-    def keep64(fn):
-        def wrapped(x, *args, dtype=None, **kwargs):
-            if x.dtype == torch.float64:
-                return fn(x, *args, **kwargs)
-            return fn(x, *args, dtype=dtype, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(torch.Tensor, "to", keep64_to)
-    monkeypatch.setattr(torch.Tensor, "float", lambda self: self if self.dtype == torch.float64 else as_float(self))
-    monkeypatch.setattr(torch.Tensor, "softmax", keep64(t_softmax))
-    monkeypatch.setattr(F, "softmax", keep64(f_softmax))
-    tables = rope_tables(llm.model.cfg)
-    saved = []
-    for module in hf_model.modules():
-        if type(module).__name__ == "DeepseekV4RotaryEmbedding":
-            for kind in ("main", "compress"):
-                buf = getattr(module, f"{kind}_inv_freq")
-                saved.append((buf, buf.clone()))
-                buf.copy_(tables[kind])
-    yield
-    for buf, value in saved:
-        buf.copy_(value)
+def exact_transformers(hf_model, llm):
+    """Lift transformers' float32 islands to float64 for this test (see
+    `helpers.lifted_float32_islands`)."""
+    with lifted_float32_islands(hf_model, rope_tables(llm.model.cfg)):
+        yield
 
 
 def ids_of(length: int, seed: int) -> list[int]:
