@@ -286,9 +286,13 @@ def _add_bench(sub):
 
 
 def _add_convert(sub):
-    p = sub.add_parser("convert", help="write a Hugging Face or DeepSeek checkpoint as a branchspec folder")
+    p = sub.add_parser("convert", help="write a Hugging Face or DeepSeek checkpoint as a branchspec folder, "
+                                       "or a branchspec checkpoint as a Hugging Face one (--to hf)")
     p.add_argument("src", help="checkpoint folder: branchspec, Hugging Face deepseek_v4 or DeepSeek original")
     p.add_argument("out", help="new folder to write (must not exist, or be empty)")
+    p.add_argument("--to", default="branchspec", choices=["branchspec", "hf"],
+                   help="branchspec (default), or hf: a folder transformers' DeepseekV4ForCausalLM loads "
+                        "(the MTP block is kept as mtp.* tensors, which branchspec reads back)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="dtype of the written floating-point weights (default float32)")
     p.set_defaults(func=_convert, parser=p)
@@ -298,6 +302,12 @@ def _convert(args) -> int:
     from branchspec.model.formats import convert_checkpoint
     from branchspec.model.weights import checkpoint_metadata
 
+    if args.to == "hf":
+        from branchspec.model.export import export_hf_folder
+
+        out = export_hf_folder(args.src, args.out, dtype=args.dtype)
+        print(f"exported {args.src} to the Hugging Face deepseek_v4 folder {out} ({args.dtype})")
+        return 0
     out = convert_checkpoint(args.src, args.out, dtype=args.dtype)
     fmt = checkpoint_metadata(out).get("converted_from", "?")
     print(f"converted {args.src} ({fmt} format) to the branchspec checkpoint {out} ({args.dtype})")
