@@ -243,11 +243,17 @@ def test_cost_model_learns_a_measured_round_overhead():
     for _ in range(40):
         costs.observe(chain, 8, before + 0.004)
     assert costs.round_seconds(chain, 8) == pytest.approx(before + 0.004, rel=0.01)
-    # A speculative candidate not run yet at this batch takes the same overhead; plain
-    # rounds and other batch sizes are untouched.
+    # A speculative candidate not run yet at this batch takes the least overhead seen for
+    # its kind; plain rounds and other batch sizes are untouched.
     assert costs.round_seconds(tree, 8) == pytest.approx(costs.predict(tree, 8) + 0.004, rel=0.01)
     assert costs.round_seconds(None, 8) == pytest.approx(costs.predict(None, 8))
     assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64))
+    # The tree turns out dearer; while only the chain runs, its estimate drifts back down.
+    costs.observe(tree, 8, costs.predict(tree, 8) + 0.020)
+    high = costs.round_seconds(tree, 8)
+    for _ in range(100):
+        costs.observe(chain, 8, before + 0.004)
+    assert costs.predict(tree, 8) + 0.004 < costs.round_seconds(tree, 8) < high
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):

@@ -185,9 +185,9 @@ class CostModel:
 
     target[i, j] / mtp[i, j]: seconds of one forward at batch BATCHES[i] with TOKENS[j] new
     tokens per request (over a committed context). Off-grid points interpolate linearly in
-    log(batch) and in tokens. `correction` holds, per (candidate, batch bucket), the EWMA of
-    measured - predicted round time: the per-round overhead the grid does not see (plan,
-    accept, commit, sampling, Python), learned as rounds run.
+    log(batch) and in tokens. `correction` holds, per (candidate label, batch bucket), the
+    EWMA of measured - predicted round time: the per-round overhead the grid does not see
+    (plan, accept, commit, sampling, Python), learned as rounds run.
     """
 
     TOKENS = (1, 2, 4, 8, 16)
@@ -228,28 +228,39 @@ class CostModel:
         return 1 << max(0, (batch - 1).bit_length())
 
     def round_seconds(self, spec: SpecConfig | None, batch: int) -> float:
-        """Predicted forward seconds plus the round's measured overhead beyond them (plan,
-        accept, commit, sampling, Python): this candidate's at this batch bucket, or, for a
-        candidate not run there yet, that of its kind (speculative or plain), else none."""
-        bucket = self.bucket(batch)
-        extra = self.correction.get((spec_label(spec), bucket))
+        """Predicted forward seconds plus the round's overhead beyond them (plan, accept,
+        commit, sampling, Python) as measured for this candidate at this batch bucket. A
+        candidate not run there yet is given the smallest overhead measured for its kind
+        (speculative or plain), so that it gets tried once rather than inheriting another
+        shape's overhead."""
+        key = (spec_label(spec), self.bucket(batch))
+        extra = self.correction.get(key)
         if extra is None:
-            extra = self.correction.get(("speculative" if spec is not None else "none", bucket), 0.0)
+            extra = self._least(spec is not None, key[1])
         return self.predict(spec, batch) + extra
 
-    def observe(self, spec: SpecConfig | None, batch: int, seconds: float, weight: float = 0.2) -> None:
-        """A measured round: move the overhead estimates towards measured - predicted. A
-        new candidate starts from its kind's estimate (speculative rounds share their
-        glue), so one slow first round (allocation, a cold cache) cannot condemn it; one
-        round moves an estimate by at most a fifth of its surprise."""
+    def _least(self, speculative: bool, bucket: int) -> float:
+        seen = [v for (label, b), v in self.correction.items()
+                if b == bucket and (label != "none") == speculative]
+        return min(seen, default=0.0)
+
+    def observe(self, spec: SpecConfig | None, batch: int, seconds: float, weight: float = 0.2,
+                drift: float = 0.01) -> None:
+        """A measured round. The candidate's overhead estimate starts at its first
+        measurement and then moves a fifth of the way per round; the estimates of the
+        other candidates of its kind drift back towards the least one by `drift` per
+        round, so one slow first round (allocation, a cold cache) does not rule a
+        candidate out for good: it is tried again after a few hundred rounds."""
         bucket = self.bucket(batch)
         predicted = self.predict(spec, batch)
         extra = min(max(seconds - predicted, -0.5 * predicted), 3.0 * predicted)
-        shared = ("speculative" if spec is not None else "none", bucket)
-        start = self.correction.get(shared, 0.0)
-        for key in ((spec_label(spec), bucket), shared):
-            old = self.correction.get(key, start)
-            self.correction[key] = (1 - weight) * old + weight * extra
+        key = (spec_label(spec), bucket)
+        old = self.correction.get(key)
+        self.correction[key] = extra if old is None else (1 - weight) * old + weight * extra
+        least = self._least(spec is not None, bucket)
+        for other, value in self.correction.items():
+            if other != key and other[1] == bucket and (other[0] != "none") == (spec is not None):
+                self.correction[other] = value - drift * (value - least)
 
     def to_dict(self) -> dict:
         return {"batches": list(self.batches), "tokens": list(self.TOKENS),
