@@ -152,29 +152,35 @@ class AcceptanceStats:
         a hit when its proposal is the target's token: an unbiased sample of "the rank-r
         child is accepted given its parent was", whichever nodes the tree happened to keep.
         """
-        ch = children.cpu().numpy()
-        tg = targets.cpu().numpy()[..., None]
+        ch = children.cpu().numpy()                                         # [B, D, k]
+        tg = targets.cpu().numpy()[..., None]                              # [B, D, 1]
+        D, k = min(ch.shape[1], MAX_DEPTH), min(ch.shape[2], self.R)
+        ch, tg = ch[:, :D, :k], tg[:, :D]
         valid = (ch >= 0) & (tg >= 0)
         hit = valid & (ch == tg)                                            # [B, D, k]
         # Path node i is on the main line when every path node up to it was its parent's
         # top proposal (the root always is).
-        top = hit[:, :, 0]
-        main = np.concatenate([np.ones_like(top[:, :1]), np.cumprod(top[:, :-1], axis=1)], axis=1).astype(bool)
-        D, k = min(ch.shape[1], MAX_DEPTH), min(ch.shape[2], self.R)
+        main = np.ones(hit.shape[:2], dtype=bool)
+        main[:, 1:] = np.logical_and.accumulate(hit[:, :-1, 0], axis=1)
+        on = main[..., None]
+        tries = np.stack([valid & on, valid & ~on], axis=1)                # [B, 2, D, k]
+        hits = np.stack([hit & on, hit & ~on], axis=1)
         decay = self.policy.decay
-        tries = np.zeros((len(seq_ids), 2, MAX_DEPTH, self.R))
-        hits = np.zeros_like(tries)
-        for line, where in ((MAIN, main), (OFF, ~main)):
-            mask = where[:, :D, None]
-            tries[:, line, :D, :k] = valid[:, :D, :k] & mask
-            hits[:, line, :D, :k] = hit[:, :D, :k] & mask
         for b, sid in enumerate(seq_ids):
-            old_h, old_t = self.hits.get(sid), self.tries.get(sid)
-            self.hits[sid] = hits[b] if old_h is None else decay * old_h + hits[b]
-            self.tries[sid] = tries[b] if old_t is None else decay * old_t + tries[b]
+            h, t = self.hits.get(sid), self.tries.get(sid)
+            if h is None:
+                h = self.hits[sid] = np.zeros_like(self.global_hits)
+                t = self.tries[sid] = np.zeros_like(self.global_tries)
+            else:
+                h *= decay
+                t *= decay
+            h[:, :D, :k] += hits[b]
+            t[:, :D, :k] += tries[b]
         gd = decay ** (1.0 / max(1, len(seq_ids)))     # engine-wide: about one decay per request-round
-        self.global_hits = gd * self.global_hits + hits.sum(axis=0)
-        self.global_tries = gd * self.global_tries + tries.sum(axis=0)
+        self.global_hits *= gd
+        self.global_tries *= gd
+        self.global_hits[:, :D, :k] += hits.sum(axis=0)
+        self.global_tries[:, :D, :k] += tries.sum(axis=0)
 
 
 # -- round time ---------------------------------------------------------------------------
@@ -197,6 +203,7 @@ class CostModel:
         self.target, self.mtp = np.asarray(target, float), np.asarray(mtp, float)
         self.correction: dict[tuple[str, int], float] = {}
         self._predicted: dict[tuple[SpecConfig | None, int], float] = {}
+        self._least_seen: dict[tuple[bool, int], float] = {}
 
     def _at(self, grid: np.ndarray, batch: int, tokens: int) -> float:
         lb = np.log2(np.asarray(self.batches, float))
@@ -240,9 +247,12 @@ class CostModel:
         return self.predict(spec, batch) + extra
 
     def _least(self, speculative: bool, bucket: int) -> float:
-        seen = [v for (label, b), v in self.correction.items()
-                if b == bucket and (label != "none") == speculative]
-        return min(seen, default=0.0)
+        key = (speculative, bucket)
+        if key not in self._least_seen:
+            seen = [v for (label, b), v in self.correction.items()
+                    if b == bucket and (label != "none") == speculative]
+            self._least_seen[key] = min(seen, default=0.0)
+        return self._least_seen[key]
 
     def observe(self, spec: SpecConfig | None, batch: int, seconds: float, weight: float = 0.2,
                 drift: float = 0.01) -> None:
@@ -257,10 +267,12 @@ class CostModel:
         key = (spec_label(spec), bucket)
         old = self.correction.get(key)
         self.correction[key] = extra if old is None else (1 - weight) * old + weight * extra
+        self._least_seen.clear()
         least = self._least(spec is not None, bucket)
         for other, value in self.correction.items():
             if other != key and other[1] == bucket and (other[0] != "none") == (spec is not None):
                 self.correction[other] = value - drift * (value - least)
+        self._least_seen.clear()
 
     def to_dict(self) -> dict:
         return {"batches": list(self.batches), "tokens": list(self.TOKENS),
