@@ -317,3 +317,22 @@ def test_cli_refuses_contradicting_policy_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "hello", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
+    from branchspec.spec import policy as policy_mod
+
+    chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
+    runner = SpecPolicyRunner(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
+    rates = {"chain D=3": 100.0, "chain D=4": 101.0}
+    runner.stats.expected_accept = lambda ids: np.ones((len(ids), 2))
+    runner.costs.round_seconds = lambda spec, b: 1.0 / rates[spec_label(spec)]
+    first = runner.choose([1])
+    assert first == chain4
+    rates["chain D=3"] = 102.0                        # better by 1%, inside the margin
+    for _ in range(3 * policy_mod.REDECIDE_EVERY):
+        assert runner.choose([1]) == chain4
+    rates["chain D=3"] = 110.0                        # clearly better: switch at the next decision
+    picks = [runner.choose([1]) for _ in range(policy_mod.REDECIDE_EVERY)]
+    assert picks[-1] == chain3
+    assert runner.choose([1, 2]) == chain3            # a new batch decides at once

@@ -398,6 +398,10 @@ def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> Cos
 # Pseudo-tokens both sides of the accept calibration start with, so one unlucky round does
 # not condemn a candidate.
 CALIBRATION_PRIOR = 4.0
+# The estimates are recomputed every this many rounds while the batch stays the same.
+REDECIDE_EVERY = 2
+# A better estimate must beat the standing choice by this much to replace it.
+SWITCH_MARGIN = 0.03
 
 
 def _kind(spec: SpecConfig) -> str:
@@ -416,29 +420,51 @@ class SpecPolicyRunner:
         self.last_estimate: dict[str, float] = {}
         # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
         self.accept_sums: dict[str, tuple[float, float]] = {}
-        self._predicted_tokens: float | None = None
+        self._predicted_per_request: float | None = None
+        self._last_batch: tuple[int, ...] | None = None
+        self._rounds_since = 0
 
     def choose(self, seq_ids: list[int]) -> SpecConfig | None:
+        """The configuration for the next round over these requests.
+
+        The estimates are recomputed every `REDECIDE_EVERY` rounds, or at once when the
+        batch changed; in between the last choice stands. A new best must beat the standing choice by `SWITCH_MARGIN`:
+        near-ties are within the estimates' noise, and switching is not free (plain rounds
+        leave the drafter a lag to catch up on)."""
         t0 = time.perf_counter()
+        batch = tuple(seq_ids)
+        if batch == self._last_batch and self._rounds_since < REDECIDE_EVERY - 1:
+            self._rounds_since += 1
+            best = self.last_choice
+        else:
+            best = self._decide(seq_ids)
+            self._last_batch, self._rounds_since = batch, 0
+        self.counts[spec_label(best)] += 1
+        self.decide_seconds += time.perf_counter() - t0
+        return best
+
+    def _decide(self, seq_ids: list[int]) -> SpecConfig | None:
         B = len(seq_ids)
-        best, best_rate, estimate = None, -1.0, {}
+        estimate: dict[str, float] = {}
+        predicted: dict[SpecConfig, float] = {}
+        options: list[tuple[SpecConfig | None, float]] = []
         if None in self.policy.candidates:
-            best_rate = B / self.costs.round_seconds(None, B)
-            estimate["none"] = best_rate
-        predicted = {}
+            options.append((None, B / self.costs.round_seconds(None, B)))
         if self.stats.specs:
             emitted = self.stats.expected_accept(seq_ids).sum(axis=0)           # [C]
             for spec, raw in zip(self.stats.specs, emitted):
                 predicted[spec] = float(raw)          # the model's own estimate, to calibrate against
                 tokens = B + self.calibration(spec) * (float(raw) - B)
-                rate = tokens / self.costs.round_seconds(spec, B)
-                estimate[spec_label(spec)] = rate
-                if rate > best_rate:
-                    best, best_rate = spec, rate
+                options.append((spec, tokens / self.costs.round_seconds(spec, B)))
+        for spec, rate in options:
+            estimate[spec_label(spec)] = rate
+        best, best_rate = max(options, key=lambda o: o[1])
+        standing = estimate.get(spec_label(self.last_choice)) if self._last_batch is not None else None
+        if standing is not None and self.last_choice in self.policy.candidates \
+                and best_rate < (1 + SWITCH_MARGIN) * standing:
+            best = self.last_choice
         self.last_choice, self.last_estimate = best, estimate
-        self._predicted_tokens = predicted.get(best)
-        self.counts[spec_label(best)] += 1
-        self.decide_seconds += time.perf_counter() - t0
+        self._predicted_per_request = None if best is None else predicted[best] / B
         return best
 
     def observe(self, spec: SpecConfig | None, seq_ids: list[int], seconds: float,
@@ -451,11 +477,11 @@ class SpecPolicyRunner:
         self.costs.observe(spec, len(seq_ids), seconds)
         if spec is not None and children is not None:
             self.stats.observe(seq_ids, children, targets)
-            if self._predicted_tokens is not None and spec is self.last_choice:
-                self._calibrate(spec, float(sum(path_len)), self._predicted_tokens, len(seq_ids))
+            if self._predicted_per_request is not None and spec is self.last_choice:
+                self._calibrate(spec, float(sum(path_len)), self._predicted_per_request * len(seq_ids),
+                                len(seq_ids))
         elif spec is None:
             self.stats.relax()
-        self._predicted_tokens = None
         self.decide_seconds += time.perf_counter() - t0
 
     def calibration(self, spec: SpecConfig) -> float:
