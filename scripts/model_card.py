@@ -1,7 +1,9 @@
 """Model card numbers for a checkpoint: held-out perplexity and MTP top-1 agreement per
-workload, and greedy sample generations on held-out prompts. Writes Markdown.
+workload, the distinct 4-gram ratio of greedy 128-token continuations of held-out prompts
+(1.0: no repeated 4-gram; a loop drives it towards 0), and greedy sample generations.
+Writes Markdown.
 
-    python scripts/model_card.py [--model DIR] [--out docs/model_card.md] [--windows 16]
+    python scripts/model_card.py [--model DIR] [--out docs/model_card.md] [--windows 16] [--loop-prompts 32]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.data.workloads import load_workload
 from branchspec.train.data import _stream, eval_documents, eval_windows
+from branchspec.train.quality import loop_report
 from branchspec.train.trainer import evaluate
 
 WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
@@ -28,6 +31,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--mbpp-path", default=None)
+    ap.add_argument("--loop-prompts", type=int, default=32, help="held-out prompts per workload for the loop check")
     args = ap.parse_args()
 
     llm = LLM(args.model)
@@ -36,12 +40,19 @@ def main() -> None:
                for w in WORKLOADS}
     with torch.no_grad():
         report = evaluate(llm.model, windows)
-    lines = ["| workload | held-out tokens | perplexity | MTP loss | MTP top-1 = target greedy |",
-             "|---|---:|---:|---:|---:|"]
+    loops = {w: loop_report(llm, [e.prompt_text() for e in
+                                  load_workload(w, "eval", mbpp_path=args.mbpp_path)[: args.loop_prompts]])
+             for w in WORKLOADS}
+    lines = ["| workload | held-out tokens | perplexity | MTP loss | MTP top-1 = target greedy | "
+             "distinct 4-grams (greedy 128) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for w in WORKLOADS:
         r = report[w]
+        ratio = loops[w]["distinct_4gram_ratio"]
         lines.append(f"| {w} | {windows[w].numel()} | {r['ppl']:.1f} | {r['mtp_loss']:.3f} | "
-                     f"{100 * r['mtp_top1_agreement']:.1f}% |")
+                     f"{100 * r['mtp_top1_agreement']:.1f}% | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} ({loops[w]['scored']} prompts, "
+                     f"{loops[w]['mean_tokens']:.0f} tokens on average) |")
     samples = ["", "## Greedy samples on held-out prompts", ""]
     params = SamplingParams(max_tokens=args.max_tokens)
     for w in WORKLOADS:
@@ -55,7 +66,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
-    print(json.dumps({"held_out": report}))
+    print(json.dumps({"held_out": report, "loops": loops}))
 
 
 if __name__ == "__main__":

@@ -156,3 +156,13 @@ def test_cli_resume_takes_the_saved_settings(tmp_path, mbpp_path, capsys):
     assert "--lr" in capsys.readouterr().err
     assert main(["train", "--out", str(out), "--resume", "--stop-after", "1"]) == 0
     assert json.loads((out / "resume.json").read_text())["step"] == 2
+
+
+def test_distinct_ngram_ratio_sees_loops():
+    from branchspec.train.quality import distinct_ngram_ratio
+
+    assert distinct_ngram_ratio(list(range(10))) == 1.0
+    loop = [5, 6, 7] * 10                                  # 27 4-grams, 3 distinct
+    assert distinct_ngram_ratio(loop) == pytest.approx(3 / 27)
+    assert distinct_ngram_ratio([1, 2, 3]) is None
+    assert distinct_ngram_ratio([1, 2, 1, 2], n=2) == pytest.approx(2 / 3)
