@@ -8,16 +8,18 @@ of B requests, the policy estimates
 and runs the argmax. Both factors are measured, not assumed:
 
 * **Acceptance** (`AcceptanceStats`): for every request, decayed counts of how often the
-  drafter's rank-r proposal after an accepted depth-d node was the target's token there
-  (rank = order of the drafter's probability; the drafter's proposals are compared
-  whether or not the tree kept them, so the counts are not biased towards the nodes a
-  tree happened to keep). Under that
-  positional model a node reached by ranks r_1..r_j is accepted with probability
-  q(1, r_1) ... q(j, r_j), and a candidate's expected accept length is 1 (the bonus token)
-  plus the sum of its best D-1 node values within its depth and branching: the tree
-  EAGLE-2 selection aims for. A request's counts start from the engine-wide ones (worth
-  `prior_weight` observations), which start from an optimistic prior, so depths that no
-  round has tried yet get tried.
+  drafter's rank-r proposal after an accepted depth-d node was the target's token there,
+  kept apart on and off the drafter's main line (rank = order of the drafter's
+  probability). The proposals are compared whether or not the tree kept them, so the
+  counts are not biased towards the nodes a tree happened to keep. Under this positional
+  model a node reached by ranks r_1..r_j is accepted with probability q(1, r_1) ...
+  q(j, r_j), and a candidate's expected accept length is 1 (the bonus token) plus the sum
+  of its best D-1 node values within its depth and branching. That is the tree EAGLE-2's
+  selection aims for. What the model still misses (EAGLE-2 picks each round's tree from
+  that round's draft confidence) is measured per candidate as observed / predicted
+  accepted tokens and corrected for. A request's counts start from the engine-wide
+  ones (worth `prior_weight` observations), which start from an optimistic prior, so
+  depths no round has tried yet get tried.
 * **Round time** (`CostModel`): the target's and the drafter's forward time at (batch,
   tokens per request), measured once on this machine at start-up and cached on disk, then
   composed per candidate (draft steps + verify + draft-extend, or one decode step), plus
@@ -428,9 +430,9 @@ class SpecPolicyRunner:
         """The configuration for the next round over these requests.
 
         The estimates are recomputed every `REDECIDE_EVERY` rounds, or at once when the
-        batch changed; in between the last choice stands. A new best must beat the standing choice by `SWITCH_MARGIN`:
-        near-ties are within the estimates' noise, and switching is not free (plain rounds
-        leave the drafter a lag to catch up on)."""
+        batch changed; in between the last choice stands. A new best must beat the
+        standing choice by `SWITCH_MARGIN`: near-ties are within the estimates' noise, and
+        switching is not free (plain rounds leave the drafter a lag to catch up on)."""
         t0 = time.perf_counter()
         batch = tuple(seq_ids)
         if batch == self._last_batch and self._rounds_since < REDECIDE_EVERY - 1:
@@ -486,10 +488,10 @@ class SpecPolicyRunner:
 
     def calibration(self, spec: SpecConfig) -> float:
         """Observed / predicted drafted tokens accepted, for this candidate (else for its
-        kind): ratio of decayed sums that start level (CALIBRATION_PRIOR tokens each).
-        The positional model counts only nodes that made it into a tree, which the drafter
-        picked for being likely, so for trees it runs optimistic; this measures by how much.
-        Chains verify every rank-1 child, so theirs stays near 1: the fallback is per kind."""
+        kind, chain or tree): a ratio of decayed sums that start level (CALIBRATION_PRIOR
+        tokens each). It absorbs what the positional model misses: EAGLE-2 picks each
+        round's tree by that round's draft confidence, and acceptance at one depth is not
+        independent of the next."""
         for key in (spec_label(spec), _kind(spec)):
             if key in self.accept_sums:
                 seen, predicted = self.accept_sums[key]
