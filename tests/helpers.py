@@ -114,3 +114,21 @@ def lifted_float32_islands(hf_model, tables: dict):
         finally:
             for module, name, original in saved:
                 setattr(module, name, original)
+
+
+@torch.no_grad()
+def sequential_drafter(model, committed: list[int]) -> tuple[dict, torch.Tensor]:
+    """The drafter state a sequential pass builds over `committed` tokens: the MTP block
+    fed the target's hidden state before each token (zeros before the first), all at once
+    from an empty cache. Returns ({"mtp/0": snapshot}, the target's last hidden state)."""
+    from branchspec.model.metadata import chain_meta
+
+    L = len(committed)
+    out, _ = model.full_forward(torch.tensor([committed]))
+    prev = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
+    ref = new_cache(model, max_seqs=1)
+    ref.add(0)
+    meta = chain_meta(torch.tensor([0]), L, ())
+    mtp = model.mtp_forward(torch.tensor([committed]), prev, meta, ref.gather_mtp([0], torch.tensor([0])))
+    ref.commit_mtp([0], meta, mtp.scratch[0], meta.valid)
+    return {"mtp/0": ref.snapshot(0, 0, mtp_length=L)["mtp/0"]}, out.hidden[0, -1]

@@ -78,9 +78,8 @@ def run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag: bool =
     sequential MTP pass over its committed tokens (with the target's hidden states).
     AssertionError on any difference."""
     from branchspec.engine.engine import Engine
-    from branchspec.model.metadata import chain_meta
     from branchspec.model.weights import load_checkpoint
-    from helpers import assert_same_state, new_cache
+    from helpers import assert_same_state, sequential_drafter
 
     model = load_checkpoint(trained_ckpt, "float64")
     engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4))
@@ -96,19 +95,10 @@ def run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag: bool =
     for seq in seqs:
         L = seq.num_committed
         assert not seq.finished and not seq.drafter_lag
-        committed = seq.token_ids[:L]
-        with torch.no_grad():
-            out, _ = model.full_forward(torch.tensor([committed]))
-            prev = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
-        ref = new_cache(model, max_seqs=1)
-        ref.add(0)
-        meta = chain_meta(torch.tensor([0]), L, ())
-        with torch.no_grad():
-            mtp = model.mtp_forward(torch.tensor([committed]), prev, meta, ref.gather_mtp([0], torch.tensor([0])))
-        ref.commit_mtp([0], meta, mtp.scratch[0], meta.valid)
+        drafter, last_hidden = sequential_drafter(model, seq.token_ids[:L])
         got = engine.cache.snapshot(seq.seq_id, L, mtp_length=L)
-        assert_same_state({"mtp/0": got["mtp/0"]}, {"mtp/0": ref.snapshot(0, 0, mtp_length=L)["mtp/0"]})
-        torch.testing.assert_close(seq.last_hidden, out.hidden[0, -1], atol=1e-10, rtol=0)
+        assert_same_state({"mtp/0": got["mtp/0"]}, drafter)
+        torch.testing.assert_close(seq.last_hidden, last_hidden, atol=1e-10, rtol=0)
 
 
 def test_drafter_state_after_plain_rounds_equals_sequential(trained_ckpt, prompts):

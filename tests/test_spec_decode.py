@@ -142,7 +142,7 @@ def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts,
     from branchspec.config import EngineConfig
     from branchspec.engine.engine import Engine
     from branchspec.model.weights import load_checkpoint
-    from helpers import assert_same_state, new_cache, sequential
+    from helpers import assert_same_state, sequential, sequential_drafter
 
     model = load_checkpoint(trained_ckpt, "float64")
     engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4))
@@ -154,21 +154,10 @@ def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts,
         assert not seq.finished and L > len(seq.prompt_ids)
         committed = seq.token_ids[:L]
         ref, _ = sequential(model, committed, chunk=1)
-        with torch.no_grad():
-            out, _ = model.full_forward(torch.tensor([committed]))
-            prev = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
-        ref_mtp = new_cache(model, max_seqs=1)
-        ref_mtp.add(0)
-        from branchspec.model.metadata import chain_meta
-        meta = chain_meta(torch.tensor([0]), L, ())
-        with torch.no_grad():
-            mtp = model.mtp_forward(torch.tensor([committed]), prev, meta,
-                                    ref_mtp.gather_mtp([0], torch.tensor([0])))
-        ref_mtp.commit_mtp([0], meta, mtp.scratch[0], meta.valid)
+        drafter, last_hidden = sequential_drafter(model, committed)
         got = engine.cache.snapshot(seq.seq_id, L, mtp_length=L)
-        want = {**ref.snapshot(0, L), "mtp/0": ref_mtp.snapshot(0, 0, mtp_length=L)["mtp/0"]}
-        assert_same_state(got, want)
-        torch.testing.assert_close(seq.last_hidden, out.hidden[0, -1], atol=1e-10, rtol=0)
+        assert_same_state(got, {**ref.snapshot(0, L), **drafter})
+        torch.testing.assert_close(seq.last_hidden, last_hidden, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(3, 2, 6), SpecConfig(2, 4, 7), SpecConfig.chain(5)],

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,8 +32,8 @@ import torch
 
 from branchspec.config import ModelConfig
 from branchspec.model.formats import (
-    _HF_LAYER_TYPES, HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, checkpoint_stop_ids, expected_shapes,
-    plan_names, read_config_json,
+    _HF_LAYER_TYPES, HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder, checkpoint_stop_ids,
+    expected_shapes, new_folder, plan_names, read_config_json,
 )
 from branchspec.model.model import Transformer
 
@@ -306,14 +305,6 @@ def to_hf_tensors(state: Mapping[str, torch.Tensor], recipes: Mapping[str, HFRec
 # -- folders ----------------------------------------------------------------------------------
 
 
-def _new_folder(out: Path) -> Path:
-    """A temporary sibling of ``out``, renamed into place once complete."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {out} already exists and is not an empty folder; choose a new path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-
-
 def _generation_config(hf_config: dict) -> dict:
     """HF generate's defaults: the model's special ids (an eos list included)."""
     return {"_from_model_config": True, **{k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
@@ -326,12 +317,12 @@ def _write_folder(model: Transformer, out: Path, dtype: torch.dtype | None, extr
     from branchspec.model.weights import resolve_dtype
 
     target = resolve_dtype(dtype) if dtype is not None else None   # fail before writing anything
+    check_new_folder(out)
     hf_config = hf_config_from_branchspec(model.cfg, dtype=target or model.embed.weight.dtype,
                                           extra_stop_ids=extra_stop_ids)
     recipes, shapes = hf_tensor_plan(model.cfg)
     tensors = to_hf_tensors(model.state_dict(), recipes, shapes, target)
-    tmp = _new_folder(out)
-    try:
+    with new_folder(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n",
                                                     encoding="utf-8")
@@ -339,12 +330,6 @@ def _write_folder(model: Transformer, out: Path, dtype: torch.dtype | None, extr
         for name in TOKENIZER_FILES if copy_from is not None else ():
             if name != "generation_config.json" and (copy_from / name).is_file():
                 shutil.copyfile(copy_from / name, tmp / name)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

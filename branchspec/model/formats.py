@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1171,16 +1172,13 @@ def convert_checkpoint(src: str | Path, out: str | Path, dtype: str | torch.dtyp
         raise FileNotFoundError(f"source checkpoint {src} does not exist")
     if not src.is_dir():
         raise FileNotFoundError(f"source checkpoint {src} is not a folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {out} already exists and is not an empty folder; choose a new path")
+    check_new_folder(out)
     ckpt = open_checkpoint(src)
     try:
         tensors = ckpt.tensors(dtype=target)
     finally:
         ckpt.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with new_folder(out) as tmp:
         ckpt.config.save(tmp)
         meta = {"format": "pt", "converted_from": json.dumps(ckpt.format)}
         if ckpt.extras.extra_stop_ids:
@@ -1192,13 +1190,30 @@ def convert_checkpoint(src: str | Path, out: str | Path, dtype: str | torch.dtyp
         _write_foreign_tokenizer_config(src, tmp)
         if ckpt.extras.extra_stop_ids:
             _record_stop_ids(tmp, (ckpt.config.eos_token_id, *ckpt.extras.extra_stop_ids))
+    return out
+
+
+def check_new_folder(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {out} already exists and is not an empty folder; choose a new path")
+
+
+@contextmanager
+def new_folder(out: Path):
+    """Write a checkpoint folder all or nothing: the block fills a temporary sibling of
+    ``out`` (which must not exist, or be empty), renamed into place when the block ends;
+    on any error the sibling is removed and ``out`` is left as it was."""
+    check_new_folder(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
         if out.exists():
             out.rmdir()
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 __all__ = [
