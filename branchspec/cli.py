@@ -245,13 +245,15 @@ def _train(args) -> int:
         # flags that would change them are refused rather than silently ignored.
         cfg = TrainConfig(**json.loads(saved.read_text()))
         fresh = args.parser.parse_args(["--out", args.out])
+        # How each step is computed (precision, compile) may change; what it computes may not.
         changed = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
-                   if k not in ("resume", "stop_after", "export", "func", "parser")
+                   if k not in ("resume", "stop_after", "export", "func", "parser", "precision", "compile")
                    and v != getattr(fresh, k, v)]
         if changed:
             args.parser.error(f"{', '.join(changed)}: a resumed run takes its settings from {saved}; "
                               "drop them (or start a new --out)")
-        cfg = dataclasses.replace(cfg, out=args.out)
+        compute = {k: getattr(args, k) for k in ("precision", "compile") if getattr(args, k) != getattr(fresh, k)}
+        cfg = dataclasses.replace(cfg, out=args.out, **compute)
         folder = train(cfg, resume=True, export=args.export, stop_after=args.stop_after)
         print(f"checkpoint written to {folder}" if folder is not None else
               f"stopped before the last step; state saved in {cfg.out} (continue with --resume)")

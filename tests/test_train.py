@@ -154,8 +154,9 @@ def test_cli_resume_takes_the_saved_settings(tmp_path, mbpp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--out", str(out), "--resume", "--lr", "0.5"])
     assert "--lr" in capsys.readouterr().err
-    assert main(["train", "--out", str(out), "--resume", "--stop-after", "1"]) == 0
-    assert json.loads((out / "resume.json").read_text())["step"] == 2
+    assert main(["train", "--out", str(out), "--resume", "--stop-after", "1", "--precision", "float32"]) == 0
+    record = json.loads((out / "resume.json").read_text())
+    assert record["step"] == 2 and record["sittings"][-1]["precision"] == "float32"
 
 
 def test_distinct_ngram_ratio_sees_loops():
