@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from typing import Callable
+import time
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from branchspec.cache.paged import PagedState
 from branchspec.cache.pool import OutOfPages
-import time
-
 from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig
 from branchspec.engine.request import FinishReason, Sequence
 from branchspec.engine.runner import ModelRunner
@@ -20,6 +19,9 @@ from branchspec.engine.sampler import logprob_dicts, target_tokens
 from branchspec.engine.scheduler import Scheduler
 from branchspec.model.model import Transformer
 from branchspec.spec.drafter import MTPDrafter
+
+if TYPE_CHECKING:
+    from branchspec.spec.policy import SpecPolicyRunner
 
 
 class Engine:
