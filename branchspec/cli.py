@@ -210,7 +210,8 @@ def _add_train(sub):
                    help="characters read per source, NAME=N,... (default sharegpt=16000000)")
     p.add_argument("--tokenizer-from", default=None, help="reuse the tokenizer.json of this folder instead of training one")
     p.add_argument("--precision", default=d.precision, choices=("auto", "float32", "bfloat16"),
-                   help="training-step precision; auto takes bfloat16 only on CPUs with AMX or AVX512-BF16")
+                   help="training-step precision; auto takes bfloat16 only on CPUs with AMX or AVX512-BF16, "
+                        "and only if a timed probe of the model finds it faster")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (about 1.3x here)")
     p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl, else the Hugging Face hub)")
     p.add_argument("--resume", action="store_true",
@@ -276,6 +277,50 @@ def _train(args) -> int:
     return 0
 
 
+def _add_distill(sub):
+    from branchspec.train.distill import DistillConfig
+
+    d = DistillConfig()
+    p = sub.add_parser("distill-drafter",
+                       help="fine-tune a checkpoint's MTP drafter to its own target (target weights frozen)")
+    p.add_argument("checkpoint", help="branchspec checkpoint folder")
+    p.add_argument("--out", required=True, help="folder for the fine-tuned checkpoint (must not exist or be empty)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--mix", default=None, type=_weights_arg,
+                   help="text the target reads, NAME=WEIGHT,... (default "
+                        + ",".join(f"{k}={v}" for k, v in d.mix.items()) + ")")
+    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (as for train)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=_distill, parser=p)
+
+
+def _distill(args) -> int:
+    from pathlib import Path
+
+    from branchspec.train.distill import DistillConfig, distill_drafter
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        args.parser.error(f"--out {out} exists and is not an empty folder")
+    try:
+        cfg = DistillConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            warmup=args.warmup, mbpp_path=args.mbpp_path, seed=args.seed,
+                            **({"mix": args.mix} if args.mix is not None else {}))
+    except ValueError as e:
+        args.parser.error(str(e))
+    folder = distill_drafter(args.checkpoint, out, cfg)
+    report = json.loads((folder / "training.json").read_text())["drafter_distillation"]
+    for w in report["held_out_after"]:
+        print(f"{w:9} MTP top-1 agreement {100 * report['held_out_before'][w]['mtp_top1_agreement']:.1f}% -> "
+              f"{100 * report['held_out_after'][w]['mtp_top1_agreement']:.1f}%")
+    print(f"checkpoint written to {folder}")
+    return 0
+
+
 def _add_bench(sub):
     p = sub.add_parser("bench", help="tree vs chain at matched budgets, batch sizes and workloads")
     try:
@@ -323,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub)
     _add_train(sub)
+    _add_distill(sub)
     _add_convert(sub)
     return parser
 

@@ -136,11 +136,29 @@ def test_python_source_corpus_reads_the_standard_library_without_tests(tmp_path)
     assert info["licence"] == "PSF-2.0" and info["files"] > 100
 
 
-def test_bf16_choice_is_a_cpu_check():
-    from branchspec.train.trainer import bf16_is_fast, resolve_precision
+def test_auto_precision_needs_native_bf16_and_a_faster_probe(monkeypatch):
+    """"auto" never probes without native bf16, and with it takes bfloat16 only when the
+    timed probe finds it at least 5% faster than float32."""
+    from branchspec.train import trainer
 
-    assert resolve_precision("float32") == "float32"
-    assert resolve_precision("auto") == ("bfloat16" if bf16_is_fast() else "float32")
+    cfg = tiny_config()
+    assert trainer.resolve_precision("float32", cfg) == ("float32", {})
+    assert trainer.resolve_precision("bfloat16", cfg) == ("bfloat16", {})
+    monkeypatch.setattr(trainer, "bf16_is_fast", lambda: False)
+    monkeypatch.setattr(trainer, "step_seconds", lambda *a, **k: pytest.fail("probed without native bf16"))
+    assert trainer.resolve_precision("auto", cfg) == ("float32", {})
+    monkeypatch.setattr(trainer, "bf16_is_fast", lambda: True)
+    for bf16_seconds, expected in ((0.5, "bfloat16"), (0.97, "float32"), (1.5, "float32")):
+        monkeypatch.setattr(trainer, "step_seconds",
+                            lambda c, precision, *a, s=bf16_seconds, **k: s if precision == "bfloat16" else 1.0)
+        choice, probe = trainer.resolve_precision("auto", cfg)
+        assert (choice, probe) == (expected, {"float32": 1.0, "bfloat16": bf16_seconds})
+
+
+def test_step_seconds_times_a_real_step():
+    from branchspec.train.trainer import step_seconds
+
+    assert 0 < step_seconds(tiny_config(), "float32", batch_size=1, seq_len=16, repeats=1) < 60
 
 
 def test_cli_resume_takes_the_saved_settings(tmp_path, mbpp_path, capsys):
@@ -167,3 +185,53 @@ def test_distinct_ngram_ratio_sees_loops():
     assert distinct_ngram_ratio(loop) == pytest.approx(3 / 27)
     assert distinct_ngram_ratio([1, 2, 3]) is None
     assert distinct_ngram_ratio([1, 2, 1, 2], n=2) == pytest.approx(2 / 3)
+
+
+def test_drafter_distillation_moves_only_the_drafter(trained_run, tmp_path, mbpp_path):
+    """distill-drafter trains the MTP block on the target's own distribution: every target
+    tensor (the shared embedding and head included) is bit for bit the source's, the
+    drafter's KL to the target drops on held-out text, and the target's greedy text, plain
+    and speculative, is unchanged."""
+    from branchspec.train.distill import DistillConfig, distill_drafter, drafter_kl
+
+    _, src = trained_run
+    cfg = DistillConfig(steps=12, batch_size=2, seq_len=160, lr=1e-2, warmup=2, eval_windows=1,
+                        mix={"gsm8k": 1.0, "mbpp": 1.0, "sharegpt": 1.0},
+                        max_chars={w: 120_000 for w in ("gsm8k", "mbpp", "sharegpt")}, mbpp_path=mbpp_path)
+    out = distill_drafter(src, tmp_path / "distilled", cfg, progress=False)
+    before, after = load_checkpoint(src), load_checkpoint(out)
+    changed = {n for n, t in after.state_dict().items() if not torch.equal(t, before.state_dict()[n])}
+    assert changed and all(n.startswith("mtp.") for n in changed), sorted(changed)[:5]
+    probe = torch.tensor([LLM(src).tokenizer.encode("Question: Tom has 3 apples and buys 5 more. "
+                                                     "How many apples does he have?\nAnswer: 8\n" * 3)])
+    with torch.no_grad():
+        assert drafter_kl(after, probe) < drafter_kl(before, probe)
+    record = json.loads((out / "training.json").read_text())["drafter_distillation"]
+    assert len(record["history"]) == 12 and set(record["held_out_after"]) == {"gsm8k", "mbpp", "sharegpt"}
+    prompt, params = "Question: 1+1?\nAnswer:", SamplingParams(max_tokens=8, ignore_eos=True)
+    want = LLM(src).generate(prompt, params)[0].token_ids
+    distilled = LLM(out)
+    assert distilled.generate(prompt, params)[0].token_ids == want
+    assert distilled.generate(prompt, params, spec=SpecConfig(2, 2, 4))[0].token_ids == want
+
+
+def test_distill_config_errors():
+    from branchspec.train.distill import DistillConfig
+
+    with pytest.raises(ValueError, match="steps"):
+        DistillConfig(steps=0)
+    with pytest.raises(ValueError, match="wikipedia"):
+        DistillConfig(mix={"wikipedia": 1.0})
+    with pytest.raises(ValueError, match="lr"):
+        DistillConfig(lr=float("nan"))
+
+
+def test_cli_distill_refuses_a_used_out_folder(trained_run, tmp_path, capsys):
+    from branchspec.cli import main
+
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main(["distill-drafter", str(trained_run[1]), "--out", str(tmp_path / "used")])
+    assert e.value.code == 2 and "not an empty folder" in capsys.readouterr().err
+    assert (tmp_path / "used" / "keep.txt").read_text() == "x"

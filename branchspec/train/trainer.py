@@ -56,7 +56,8 @@ class TrainConfig:
     # A folder whose tokenizer.json to reuse (keeps per-token perplexity comparable).
     tokenizer_from: str | None = None
     # Autocast precision of the training step; "auto" takes bfloat16 only where the CPU
-    # multiplies it natively (AMX or AVX512-BF16), see `bf16_is_fast`. Evaluation is float32.
+    # multiplies it natively (AMX or AVX512-BF16) and a timed probe of the model itself
+    # finds it faster, see `resolve_precision`. Evaluation is float32.
     precision: str = "auto"
     # After a resume from the compact pack (weights only), Adam's moments are rebuilt over
     # this many batches at learning rate 0 before training goes on.
@@ -120,10 +121,42 @@ def bf16_is_fast() -> bool:
     return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
 
 
-def resolve_precision(precision: str) -> str:
-    if precision == "auto":
-        return "bfloat16" if bf16_is_fast() else "float32"
-    return precision
+def step_seconds(model_cfg: ModelConfig, precision: str, batch_size: int, seq_len: int,
+                 repeats: int = 2) -> float:
+    """Median seconds of one training step (forward, backward, AdamW) of a fresh model of
+    `model_cfg` in `precision`, eager, on random tokens; the first step is not timed."""
+    model = init_weights(Transformer(model_cfg), seed=0).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for i in range(repeats + 1):
+        ids = torch.randint(3, model_cfg.vocab_size, (batch_size, seq_len), generator=g)
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            main, nxt = lm_losses(model, ids)
+        loss = main if nxt is None else main + nxt
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def resolve_precision(precision: str, model_cfg: ModelConfig | None = None, batch_size: int = 2,
+                      seq_len: int = 512) -> tuple[str, dict[str, float]]:
+    """The autocast precision to train in, and the probe timings behind an "auto" choice.
+
+    "auto" is float32 unless the CPU multiplies bf16 natively; where it does, the flag is
+    not enough (bf16 autocast adds casts that can cost more than the faster matmuls save
+    on a small model), so both precisions time a few steps of the model itself and
+    bfloat16 is taken only if it is at least 5% faster."""
+    if precision != "auto":
+        return precision, {}
+    if not bf16_is_fast() or model_cfg is None:
+        return "float32", {}
+    probe = {p: step_seconds(model_cfg, p, batch_size, seq_len) for p in ("float32", "bfloat16")}
+    return ("bfloat16" if probe["bfloat16"] < 0.95 * probe["float32"] else "float32"), probe
 
 
 # -- the compact resume pack ----------------------------------------------------------------
@@ -220,7 +253,7 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    precision = resolve_precision(cfg.precision)
+    precision, precision_probe = resolve_precision(cfg.precision, model_cfg, seq_len=cfg.seq_len)
     if cfg.compile:
         model.forward = torch.compile(model.forward)
     state_path = out / "state.pt"
@@ -242,7 +275,8 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     setup_seconds = time.perf_counter() - t_setup
     sitting = {"start_step": step, "precision": precision, "compile": cfg.compile, "threads": torch.get_num_threads(),
-               "cpu": _cpu_name(), "torch": torch.__version__, "resumed_from": (
+               "cpu": _cpu_name(), "torch": torch.__version__, "precision_probe_seconds": precision_probe,
+               "resumed_from": (
                    "state.pt" if resume and state_path.is_file() else "pack" if reestimate else None)}
     sittings.append(sitting)
 
