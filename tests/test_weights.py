@@ -67,6 +67,22 @@ def test_round_trip_per_dtype(tmp_path, cfg, dtype):
             assert v.dtype == resolve_dtype(dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_save_with_dtype_cast_keeps_integer_buffers(tmp_path, dtype):
+    """A hash-routed MoE's token -> expert table is an integer buffer: a cast to a float
+    dtype must leave it integer, or the checkpoint would not load."""
+    from branchspec.config import tiny_v4_config
+
+    model = random_model(tiny_v4_config(), seed=0)
+    ints = {k for k, v in model.state_dict().items() if not v.is_floating_point()}
+    assert ints, "tiny_v4 has no integer buffer to check"
+    folder = save_checkpoint(model, tmp_path / "c", dtype=dtype)
+    stored = load_file(str(folder / "model.safetensors"))
+    for k in ints:
+        assert stored[k].dtype == model.state_dict()[k].dtype and torch.equal(stored[k], model.state_dict()[k]), k
+    load_checkpoint(folder, dtype)
+
+
 @pytest.mark.parametrize("dtype", SUPPORTED)
 def test_save_with_dtype_cast(tmp_path, model32, dtype):
     folder = save_checkpoint(model32, tmp_path / "c", dtype=dtype)

@@ -72,7 +72,8 @@ def save_checkpoint(model: Transformer, folder: str | Path, dtype: str | torch.d
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.cfg.save(folder)
-    tensors = {k: (v.to(target) if target is not None else v).contiguous()
+    # Only floating tensors change dtype: integer buffers (the hash-routing table) stay integer.
+    tensors = {k: (v.to(target) if target is not None and v.is_floating_point() else v).contiguous()
                for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"),
               metadata={"format": "pt", **{k: json.dumps(v) for k, v in (metadata or {}).items()}})
