@@ -12,6 +12,8 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     that crosses the threshold included), then renormalises.
     """
     probs = torch.softmax(logits.double() / temperature[:, None, None].double(), dim=-1)
+    if bool((top_p >= 1.0).all()):
+        return probs            # nothing to cut: skip the sort over the vocabulary
     sorted_p, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_p.cumsum(-1) - sorted_p
     sorted_p = sorted_p.masked_fill(mass_before >= top_p[:, None, None].double(), 0.0)
@@ -29,9 +31,15 @@ def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     out = logits.argmax(dim=-1)
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
-        probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled])
-        for row, b in enumerate(sampled):
-            out[b] = torch.multinomial(probs[row], 1, generator=generators[b]).squeeze(-1)
+        probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled])   # [S, N, V]
+        # Inverse-CDF draws: one uniform per node from the request's own generator, then
+        # one batched search (torch.multinomial per request costs ~1.5 ms a call here).
+        # The first token whose cumulative mass exceeds u: never a zero-probability one.
+        cdf = probs.cumsum(-1)                                                          # [S, N, V]
+        u = torch.stack([torch.rand(probs.shape[1], generator=generators[b], dtype=cdf.dtype)
+                         for b in sampled]) * cdf[..., -1]                                # [S, N]
+        draws = torch.searchsorted(cdf, u[..., None], right=True)[..., 0]
+        out[sampled] = draws.clamp_(max=probs.shape[-1] - 1)
     return out
 
 
