@@ -23,6 +23,18 @@ from branchspec.train.trainer import evaluate
 WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
 
 
+def fitting_prompts(llm, workload: str, args) -> list[str]:
+    """The first --loop-prompts held-out prompts of at most --max-prompt-tokens tokens (as
+    the study takes them), so every continuation fits the context."""
+    out = []
+    for e in load_workload(workload, "eval", mbpp_path=args.mbpp_path):
+        if len(llm.encode(e.prompt_text())) <= args.max_prompt_tokens:
+            out.append(e.prompt_text())
+            if len(out) == args.loop_prompts:
+                break
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -32,6 +44,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--mbpp-path", default=None)
     ap.add_argument("--loop-prompts", type=int, default=32, help="held-out prompts per workload for the loop check")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts in the loop check")
     args = ap.parse_args()
 
     llm = LLM(args.model)
@@ -40,9 +53,7 @@ def main() -> None:
                for w in WORKLOADS}
     with torch.no_grad():
         report = evaluate(llm.model, windows)
-    loops = {w: loop_report(llm, [e.prompt_text() for e in
-                                  load_workload(w, "eval", mbpp_path=args.mbpp_path)[: args.loop_prompts]])
-             for w in WORKLOADS}
+    loops = {w: loop_report(llm, fitting_prompts(llm, w, args)) for w in WORKLOADS}
     lines = ["| workload | held-out tokens | perplexity | MTP loss | MTP top-1 = target greedy | "
              "distinct 4-grams (greedy 128) |",
              "|---|---:|---:|---:|---:|---:|"]
