@@ -42,7 +42,7 @@ def _spec_from_args(args, parser) -> SpecConfig | AutoPolicy | None:
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text for one prompt and show speculation stats")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded v4-mini)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded v4-mini-v2)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--speculative-algorithm", default="EAGLE", choices=["EAGLE", "NONE", "eagle", "none"],
                    help="EAGLE: MTP draft trees (default); NONE: plain decoding")
@@ -107,7 +107,7 @@ def _generate(args) -> int:
 
 def _add_serve(sub):
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded v4-mini)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded v4-mini-v2)")
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)")

@@ -19,7 +19,7 @@ from branchspec.engine.request import Sequence
 from branchspec.model.formats import checkpoint_stop_ids
 from branchspec.model.weights import load_checkpoint
 
-DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini"
+DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini-v2"
 
 
 @dataclass

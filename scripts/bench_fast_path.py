@@ -1,4 +1,4 @@
-"""Eager against compiled, side by side in one run: v4-mini (the embedded checkpoint),
+"""Eager against compiled, side by side in one run: the embedded checkpoint,
 plain decoding, a D=8 chain and a 4x2 D=8 tree, at batch 1, 4, 16 and 64, with each
 speculative configuration's speedup over plain decoding on the same path.
 

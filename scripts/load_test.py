@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--abort-fraction", type=float, default=0.0,
                     help="share of the streamed requests whose client disconnects after the first tokens")
     ap.add_argument("--model", default=None, help="the server's checkpoint folder, for the offline check "
-                                                   "(default: the embedded v4-mini)")
+                                                   "(default: the embedded v4-mini-v2)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with offline outputs")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

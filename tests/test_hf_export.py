@@ -206,6 +206,23 @@ def test_v4_mini_v2_shape_equals_transformers(tmp_path):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
 
 
+def test_default_checkpoint_equals_transformers(tmp_path):
+    """The shipped default model, trained weights and all, exported: transformers gives its
+    logits on real text long enough to fill C128 blocks and prune the indexer's choice."""
+    from branchspec.llm import DEFAULT_CHECKPOINT
+
+    llm = LLM(DEFAULT_CHECKPOINT, dtype="float64")
+    hf, info = load_in_transformers(export_hf_folder(DEFAULT_CHECKPOINT, tmp_path / "default"))
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    text = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+            "clips in May. How many clips did Natalia sell altogether in April and May?\nAnswer: ") * 10
+    ids = llm.tokenizer.encode(text)[:300]
+    assert len(ids) == 300
+    with lifted_float32_islands(hf, rope_tables(llm.model.cfg)):
+        ours, ref = both_logits(llm.model, hf, ids)
+    torch.testing.assert_close(ours, ref, atol=1e-9, rtol=0)
+
+
 # -- back into branchspec ---------------------------------------------------------------------
 
 def test_exported_folder_reloads_bit_for_bit_with_its_drafter(tiny, tiny_folder):
