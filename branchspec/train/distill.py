@@ -23,7 +23,7 @@ from branchspec.data.tokenizer import Tokenizer
 from branchspec.model.metadata import chain_meta
 from branchspec.model.weights import load_checkpoint, save_checkpoint
 from branchspec.train.data import BatchSampler, Streams, eval_windows
-from branchspec.train.trainer import TRAINABLE, evaluate
+from branchspec.train.trainer import check_mix, evaluate
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,7 @@ class DistillConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        unknown = set(self.mix) - set(TRAINABLE)
-        if unknown:
-            raise ValueError(f"unknown mix source(s) {sorted(unknown)}; choose from {list(TRAINABLE)}")
-        if not self.mix or any(not (w >= 0) for w in self.mix.values()) or sum(self.mix.values()) <= 0:
-            raise ValueError(f"mix weights must be non-negative with a positive sum, got {self.mix}")
+        check_mix(self.mix)
 
 
 def _lr(step: int, cfg: DistillConfig) -> float:

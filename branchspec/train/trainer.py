@@ -31,6 +31,15 @@ PRECISIONS = ("auto", "float32", "bfloat16")
 TRAINABLE = ("gsm8k", "mbpp", "sharegpt", *CORPORA)
 
 
+def check_mix(mix: dict[str, float]) -> None:
+    """ValueError unless `mix` names known sources with non-negative weights of positive sum."""
+    unknown = set(mix) - set(TRAINABLE)
+    if unknown:
+        raise ValueError(f"unknown mix source(s) {sorted(unknown)}; choose from {list(TRAINABLE)}")
+    if not mix or any(not (w >= 0) for w in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"mix weights must be non-negative with a positive sum, got {mix}")
+
+
 @dataclass
 class TrainConfig:
     out: str = "runs/v4-mini"
@@ -74,11 +83,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose from {PRECISIONS}")
-        unknown = set(self.mix) - set(TRAINABLE)
-        if unknown:
-            raise ValueError(f"unknown mix source(s) {sorted(unknown)}; choose from {list(TRAINABLE)}")
-        if not self.mix or any(not (w >= 0) for w in self.mix.values()) or sum(self.mix.values()) <= 0:
-            raise ValueError(f"mix weights must be non-negative with a positive sum, got {self.mix}")
+        check_mix(self.mix)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
 
