@@ -46,7 +46,8 @@ def mbpp_path(tmp_path_factory) -> str:
 def _small(out, steps, mbpp_path):
     return TrainConfig(out=str(out), model="tiny", steps=steps, batch_size=2, seq_len=160, eval_every=2,
                        save_every=1, vocab_size=300, tokenizer_chars=120_000, eval_windows=1,
-                       max_chars={w: 120_000 for w in ("gsm8k", "mbpp", "sharegpt")}, mbpp_path=mbpp_path)
+                       max_chars={w: 120_000 for w in ("gsm8k", "mbpp", "sharegpt")}, mbpp_path=mbpp_path,
+                       precision="float32")   # "auto" times the CPU and may choose differently per run
 
 
 @pytest.fixture(scope="module")
