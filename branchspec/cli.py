@@ -313,7 +313,7 @@ def _distill(args) -> int:
     except ValueError as e:
         args.parser.error(str(e))
     folder = distill_drafter(args.checkpoint, out, cfg)
-    report = json.loads((folder / "training.json").read_text())["drafter_distillation"]
+    report = json.loads((folder / "training.json").read_text())["drafter_distillations"][-1]
     for w in report["held_out_after"]:
         print(f"{w:9} MTP top-1 agreement {100 * report['held_out_before'][w]['mtp_top1_agreement']:.1f}% -> "
               f"{100 * report['held_out_after'][w]['mtp_top1_agreement']:.1f}%")

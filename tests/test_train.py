@@ -207,8 +207,12 @@ def test_drafter_distillation_moves_only_the_drafter(trained_run, tmp_path, mbpp
                                                      "How many apples does he have?\nAnswer: 8\n" * 3)])
     with torch.no_grad():
         assert drafter_kl(after, probe) < drafter_kl(before, probe)
-    record = json.loads((out / "training.json").read_text())["drafter_distillation"]
+    record = json.loads((out / "training.json").read_text())["drafter_distillations"][-1]
     assert len(record["history"]) == 12 and set(record["held_out_after"]) == {"gsm8k", "mbpp", "sharegpt"}
+    # A second distillation keeps the first one's record.
+    again = distill_drafter(out, tmp_path / "again", dataclasses.replace(cfg, steps=1), progress=False)
+    records = json.loads((again / "training.json").read_text())["drafter_distillations"]
+    assert [len(r["history"]) for r in records] == [12, 1]
     prompt, params = "Question: 1+1?\nAnswer:", SamplingParams(max_tokens=8, ignore_eos=True)
     want = LLM(src).generate(prompt, params)[0].token_ids
     distilled = LLM(out)

@@ -86,7 +86,7 @@ def distill_drafter(checkpoint: str | Path, out: str | Path, cfg: DistillConfig 
                     progress: bool = True) -> Path:
     """Write `out`: `checkpoint` (a branchspec folder) with its MTP block fine-tuned to
     the target, weights stored in the source's dtype so the target's are bit for bit the
-    same; its tokenizer; and training.json extended with a `drafter_distillation` record
+    same; its tokenizer; and training.json extended with a record in `drafter_distillations`
     (settings, loss history, held-out numbers before and after)."""
     src, out = Path(checkpoint), Path(out)
     stored = _stored_dtype(src)
@@ -129,11 +129,15 @@ def distill_drafter(checkpoint: str | Path, out: str | Path, cfg: DistillConfig 
     after = evaluate(model, windows)
 
     info = json.loads((src / "training.json").read_text()) if (src / "training.json").is_file() else {}
-    info["drafter_distillation"] = {
+    # Distillations stack (each starts from the last one's drafter): keep every record.
+    earlier = info.pop("drafter_distillations", None) or []
+    if "drafter_distillation" in info:
+        earlier.append(info.pop("drafter_distillation"))
+    info["drafter_distillations"] = [*earlier, {
         "config": asdict(cfg), "source": str(src), "seconds": round(seconds, 1),
         "trained_parameters": sum(p.numel() for p in trained), "history": history,
         "held_out_before": before, "held_out_after": after,
-    }
+    }]
     save_checkpoint(model, out, dtype=stored, metadata={"training": info})
     tok.save(out)
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
