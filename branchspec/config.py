@@ -429,8 +429,9 @@ class SpecConfig:
         return AutoPolicy(candidates=tuple(candidates), decay=decay, prior_weight=prior_weight)
 
 
-# Tree shapes (num_steps, topk) the default candidate set holds at each budget D >= 4.
-AUTO_TREE_SHAPES = ((3, 2), (2, 3))
+# Tree shapes (num_steps, topk) the default candidate set holds at each budget D >= 4: the
+# study's default grid (bench/grid.py), so the policy can pick whatever a fixed run could.
+AUTO_TREE_SHAPES = ((3, 2), (2, 3), (4, 2), (3, 3))
 
 
 def default_candidates(max_draft_tokens: int = 8) -> tuple["SpecConfig | None", ...]:

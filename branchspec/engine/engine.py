@@ -128,7 +128,9 @@ class Engine:
             # Reserve for the largest candidate first: preemption must settle the batch
             # before the choice, which depends on it.
             self._reserve_round(spec.max_draft_tokens)
-            chosen = policy.choose([s.seq_id for s in self.scheduler.running])
+            running = self.scheduler.running
+            chosen = policy.choose([s.seq_id for s in running], lag=[s.drafter_lag_len for s in running],
+                                   remaining=[s.num_remaining for s in running])
         else:
             chosen = spec
             self._reserve_round(1 if spec is None else spec.num_draft_tokens)
@@ -175,8 +177,13 @@ class Engine:
             admitted.append(seq)
         if not admitted:
             return []
-        drafts = spec.speculative if isinstance(spec, AutoPolicy) else spec is not None
-        logits = self.runner.prefill(admitted, with_mtp=bool(drafts))
+        if isinstance(spec, AutoPolicy):
+            # A policy that may decode plainly defers the drafter's prefill: each request's
+            # prompt joins its drafter lag, fed only when a speculative round needs it.
+            defer = None in spec.candidates and bool(spec.speculative)
+            logits = self.runner.prefill(admitted, with_mtp=bool(spec.speculative) and not defer, lag_mtp=defer)
+        else:
+            logits = self.runner.prefill(admitted, with_mtp=spec is not None)
         # Recomputed requests (preempted) already have their root: only new ones sample.
         fresh = [(seq, lg) for seq, lg in zip(admitted, logits) if not seq.output_ids]
         firsts = [int(target_tokens(lg[None, None], *self.runner.sampling([seq]))[0, 0]) for seq, lg in fresh]

@@ -45,10 +45,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_committed: int = 0
     last_hidden: torch.Tensor | None = None                # [d] target hidden at L - 1
-    # Positions the target committed by plain decode steps while the drafter did not run
-    # (an adaptive policy chose no speculation): (token, target hidden before it) per
-    # position, fed to the drafter before its next round.
-    drafter_lag: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Positions the target committed while the drafter did not run (under an adaptive
+    # policy: the prompt, and plain decode steps): chunks of (tokens [n], target hidden
+    # before each [n, d]), fed to the drafter before its next speculative round.
+    drafter_lag: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
@@ -71,6 +71,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def drafter_lag_len(self) -> int:
+        """Committed positions the drafter has not seen yet."""
+        return sum(len(tokens) for tokens, _ in self.drafter_lag)
 
     @property
     def num_remaining(self) -> int:

@@ -112,9 +112,13 @@ class ModelRunner:
 
     # -- prefill ----------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], with_mtp: bool) -> list[torch.Tensor]:
+    def prefill(self, seqs: list[Sequence], with_mtp: bool, lag_mtp: bool = False) -> list[torch.Tensor]:
         """Feed every token before each root through the target (and the drafter), in
         chunks, all sequences of the batch together (padded to the longest chunk).
+
+        `lag_mtp` (instead of `with_mtp`): the drafter may never be needed (an adaptive
+        policy that may decode plainly), so what it would be fed goes to each request's
+        drafter lag; the first speculative round catches up on it.
 
         A new request has no root yet: all prompt tokens are fed and its returned logits
         [V] at the last one choose the first output token. A recomputed (preempted) request
@@ -143,10 +147,14 @@ class ModelRunner:
             meta = chain_meta(L, num_new, self.cfg.compressed_ratios, max_new=N)
             out = self.model(tokens, meta, self.cache.gather(ids, L))
             self.cache.commit(ids, meta, out.scratch, meta.valid)
-            if with_mtp:
+            if with_mtp or lag_mtp:
                 first = torch.stack([s.last_hidden if s.last_hidden is not None
                                      else torch.zeros_like(out.hidden[0, 0]) for s in group])
                 prev = torch.cat([first[:, None], out.hidden[:, :-1]], dim=1)   # [B, N, d]
+            if lag_mtp:
+                for j, (s, n) in enumerate(zip(group, counts)):
+                    s.drafter_lag.append((tokens[j, :n], prev[j, :n]))
+            elif with_mtp:
                 mtp_meta = chain_meta(L, num_new, (), max_new=N)
                 mtp = self.model.mtp_forward(tokens, prev, mtp_meta, self.cache.gather_mtp(ids, L))
                 self.cache.commit_mtp(ids, mtp_meta, mtp.scratch[0], mtp_meta.valid)
@@ -206,7 +214,7 @@ class ModelRunner:
         nxt = target_tokens(out.logits, *self.sampling(seqs))[:, 0].tolist()
         for b, s in enumerate(seqs):
             if track_drafter:
-                s.drafter_lag.append((s.root_id, s.last_hidden))
+                s.drafter_lag.append((roots[b], s.last_hidden[None]))
             s.last_hidden = out.hidden[b, 0]
             s.num_committed += 1
         emitted = [[t] for t in nxt]
@@ -217,29 +225,34 @@ class ModelRunner:
     # -- speculative round ------------------------------------------------------------
     @torch.no_grad()
     def catch_up_drafter(self, seqs: list[Sequence]) -> None:
-        """Feed the drafter the positions plain decode steps committed without it, all
-        lagging requests in one chunk, so its KV again covers every committed position."""
+        """Feed the drafter the positions committed without it (a deferred prompt, plain
+        decode steps), all lagging requests together in prefill-sized chunks, so its KV
+        again covers every committed position."""
         self.last_catch_up_seconds = 0.0
         lagging = [s for s in seqs if s.drafter_lag]
         if not lagging:
             return
         t0 = time.perf_counter()
-        ids = [s.seq_id for s in lagging]
-        counts = [len(s.drafter_lag) for s in lagging]
-        N = max(counts)
-        L = torch.tensor([s.num_committed - n for s, n in zip(lagging, counts)], dtype=torch.long,
-                         device=self.device)
-        tokens = torch.full((len(lagging), N), self.cfg.pad_token_id, dtype=torch.long)
-        prev = torch.zeros(len(lagging), N, lagging[0].drafter_lag[0][1].shape[-1],
-                           dtype=lagging[0].drafter_lag[0][1].dtype)
-        for j, s in enumerate(lagging):
-            for i, (tok, hidden) in enumerate(s.drafter_lag):
-                tokens[j, i] = tok
-                prev[j, i] = hidden
-        meta = chain_meta(L, torch.tensor(counts, device=self.device), (), max_new=N)
-        mtp = self.model.mtp_forward(tokens.to(self.device), prev.to(self.device), meta,
-                                     self.cache.gather_mtp(ids, L))
-        self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
+        lag = [(torch.cat([t for t, _ in s.drafter_lag]), torch.cat([h for _, h in s.drafter_lag]))
+               for s in lagging]                                      # per request: [n], [n, d]
+        start = [s.num_committed - len(tokens) for s, (tokens, _) in zip(lagging, lag)]
+        done = [0] * len(lagging)
+        while active := [j for j, (tokens, _) in enumerate(lag) if done[j] < len(tokens)]:
+            counts = [min(self.chunk, len(lag[j][0]) - done[j]) for j in active]
+            N = max(counts)
+            d = lag[active[0]][1].shape[-1]
+            tokens = torch.full((len(active), N), self.cfg.pad_token_id, dtype=torch.long, device=self.device)
+            prev = torch.zeros(len(active), N, d, dtype=lag[active[0]][1].dtype, device=self.device)
+            for r, (j, n) in enumerate(zip(active, counts)):
+                tokens[r, :n] = lag[j][0][done[j]:done[j] + n]
+                prev[r, :n] = lag[j][1][done[j]:done[j] + n]
+            ids = [lagging[j].seq_id for j in active]
+            L = torch.tensor([start[j] + done[j] for j in active], dtype=torch.long, device=self.device)
+            meta = chain_meta(L, torch.tensor(counts, device=self.device), (), max_new=N)
+            mtp = self.model.mtp_forward(tokens, prev, meta, self.cache.gather_mtp(ids, L))
+            self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
+            for j, n in zip(active, counts):
+                done[j] += n
         for s in lagging:
             s.drafter_lag.clear()
         self.last_catch_up_seconds = time.perf_counter() - t0

@@ -19,11 +19,16 @@ and runs the argmax. Both factors are measured, not assumed:
   that round's draft confidence) is measured per candidate as observed / predicted
   accepted tokens and corrected for. A request's counts start from the engine-wide
   ones (worth `prior_weight` observations), which start from an optimistic prior, so
-  depths no round has tried yet get tried.
+  depths no round has tried yet get tried. Plain rounds let that evidence fade, so a few
+  unlucky rounds do not rule speculation out for good.
 * **Round time** (`CostModel`): the target's and the drafter's forward time at (batch,
   tokens per request), measured once on this machine at start-up and cached on disk, then
   composed per candidate (draft steps + verify + draft-extend, or one decode step), plus
   each candidate's per-round overhead learned online from its measured round times.
+* **Catch-up**: under a policy the drafter runs only when a round needs it (its prompt
+  prefill is deferred, plain rounds do not feed it), so speculating after plain rounds
+  first costs one drafter pass over what it missed. That is paid once, so it is spread
+  over the rounds the batch has left.
 
 Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
 the target model's. The decision is a few small numpy operations per round.
@@ -37,7 +42,7 @@ import math
 import os
 import platform
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +118,16 @@ class AcceptanceStats:
             self.member[c, mine] = True
         self.keep = np.array([c.num_draft_tokens - 1 for c in self.specs])
 
-    def relax(self, rate: float = 0.03) -> None:
-        """A round without drafts: the engine-wide counts drift back towards the
-        optimistic prior, so that after a long run of plain rounds a speculative one is
-        tried again (the batch or the text may have changed)."""
+    def relax(self, seq_ids: list[int], rate: float = 0.03) -> None:
+        """A round without drafts over these requests. Each one's own counts decay as in a
+        speculative round (its estimate returns towards the engine-wide one) and the
+        engine-wide counts drift back towards the optimistic prior: a few unlucky rounds
+        do not rule speculation out for good, and after a run of plain rounds a
+        speculative one is tried again (the text, or the batch, may have changed)."""
+        for sid in seq_ids:
+            if sid in self.hits:
+                self.hits[sid] *= self.policy.decay
+                self.tries[sid] *= self.policy.decay
         self.global_hits = (1 - rate) * self.global_hits + rate * self.prior_hits
         self.global_tries = (1 - rate) * self.global_tries + rate * self.prior_tries
 
@@ -193,19 +204,23 @@ class CostModel:
 
     target[i, j] / mtp[i, j]: seconds of one forward at batch BATCHES[i] with TOKENS[j] new
     tokens per request (over a committed context). Off-grid points interpolate linearly in
-    log(batch) and in tokens. `correction` holds, per (candidate label, batch bucket), the
-    EWMA of measured - predicted round time: the per-round overhead the grid does not see
-    (plan, accept, commit, sampling, Python), learned as rounds run.
+    log(batch) and in tokens. Per (candidate label, batch bucket) it also keeps the last
+    `HISTORY` measured overheads (measured - predicted round time: plan, accept, commit,
+    sampling, Python), and adds their median: the per-round cost the grid does not see,
+    learned as rounds run, robust to a round slowed by something else.
     """
 
-    TOKENS = (1, 2, 4, 8, 16)
+    # Up to a tree's verify (16) and a catch-up chunk (64: a deferred prompt, plain rounds).
+    TOKENS = (1, 2, 4, 8, 16, 64)
+    HISTORY = 8
 
     def __init__(self, batches: tuple[int, ...], target: np.ndarray, mtp: np.ndarray):
         self.batches = tuple(batches)
         self.target, self.mtp = np.asarray(target, float), np.asarray(mtp, float)
-        self.correction: dict[tuple[str, int], float] = {}
+        self.overheads: dict[tuple[str, int], deque[float]] = {}
         self._predicted: dict[tuple[SpecConfig | None, int], float] = {}
-        self._least_seen: dict[tuple[bool, int], float] = {}
+        self._settled: dict[tuple[str, int], float] = {}
+        self._warm: set[tuple[str, int]] = set()
 
     def _at(self, grid: np.ndarray, batch: int, tokens: int) -> float:
         lb = np.log2(np.asarray(self.batches, float))
@@ -232,49 +247,52 @@ class CostModel:
         extend = self._at(self.mtp, batch, spec.num_draft_tokens)
         return draft + verify + extend
 
+    def catch_up_seconds(self, batch: int, lag: int) -> float:
+        """One drafter pass over `lag` positions per request: the price of speculating
+        after rounds (or a prefill) the drafter did not follow."""
+        return self._at(self.mtp, batch, lag) if lag > 0 else 0.0
+
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, (batch - 1).bit_length())
 
     def round_seconds(self, spec: SpecConfig | None, batch: int) -> float:
-        """Predicted forward seconds plus the round's overhead beyond them (plan, accept,
-        commit, sampling, Python) as measured for this candidate at this batch bucket. A
-        candidate not run there yet is given the smallest overhead measured for its kind
-        (speculative or plain), so that it gets tried once rather than inheriting another
-        shape's overhead."""
+        """Predicted forward seconds plus the round's overhead beyond them, as measured for
+        this candidate at this batch bucket. A candidate's first round is not counted (it
+        pays one-time costs: allocation, metadata for a new shape), and until it has one
+        counted round it is given the least overhead measured for its kind (speculative or
+        plain), so it gets tried rather than inheriting another shape's overhead."""
         key = (spec_label(spec), self.bucket(batch))
-        extra = self.correction.get(key)
+        extra = self.overhead(key)
         if extra is None:
             extra = self._least(spec is not None, key[1])
         return self.predict(spec, batch) + extra
 
-    def _least(self, speculative: bool, bucket: int) -> float:
-        key = (speculative, bucket)
-        if key not in self._least_seen:
-            seen = [v for (label, b), v in self.correction.items()
-                    if b == bucket and (label != "none") == speculative]
-            self._least_seen[key] = min(seen, default=0.0)
-        return self._least_seen[key]
+    def overhead(self, key: tuple[str, int]) -> float | None:
+        """Median of the counted overheads of (label, bucket); None before any."""
+        if key not in self._settled:
+            seen = self.overheads.get(key)
+            if not seen:
+                return None
+            self._settled[key] = float(np.median(seen))
+        return self._settled[key]
 
-    def observe(self, spec: SpecConfig | None, batch: int, seconds: float, weight: float = 0.2,
-                drift: float = 0.01) -> None:
-        """A measured round. The candidate's overhead estimate starts at its first
-        measurement and then moves a fifth of the way per round; the estimates of the
-        other candidates of its kind drift back towards the least one by `drift` per
-        round, so one slow first round (allocation, a cold cache) does not rule a
-        candidate out for good: it is tried again after a few hundred rounds."""
-        bucket = self.bucket(batch)
+    def _least(self, speculative: bool, bucket: int) -> float:
+        seen = [v for key in self.overheads
+                if key[1] == bucket and (key[0] != "none") == speculative
+                and (v := self.overhead(key)) is not None]
+        return min(seen, default=0.0)
+
+    def observe(self, spec: SpecConfig | None, batch: int, seconds: float) -> None:
+        """A measured round: its overhead beyond the predicted forwards joins its history."""
+        key = (spec_label(spec), self.bucket(batch))
+        if key not in self._warm:          # its first round: one-time costs, not counted
+            self._warm.add(key)
+            return
         predicted = self.predict(spec, batch)
-        extra = min(max(seconds - predicted, -0.5 * predicted), 3.0 * predicted)
-        key = (spec_label(spec), bucket)
-        old = self.correction.get(key)
-        self.correction[key] = extra if old is None else (1 - weight) * old + weight * extra
-        self._least_seen.clear()
-        least = self._least(spec is not None, bucket)
-        for other, value in self.correction.items():
-            if other != key and other[1] == bucket and (other[0] != "none") == (spec is not None):
-                self.correction[other] = value - drift * (value - least)
-        self._least_seen.clear()
+        history = self.overheads.setdefault(key, deque(maxlen=self.HISTORY))
+        history.append(min(max(seconds - predicted, -0.5 * predicted), 3.0 * predicted))
+        self._settled.pop(key, None)
 
     def to_dict(self) -> dict:
         return {"batches": list(self.batches), "tokens": list(self.TOKENS),
@@ -426,38 +444,51 @@ class SpecPolicyRunner:
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
 
-    def choose(self, seq_ids: list[int]) -> SpecConfig | None:
-        """The configuration for the next round over these requests.
+    def choose(self, seq_ids: list[int], lag: list[int] | None = None,
+               remaining: list[int] | None = None) -> SpecConfig | None:
+        """The configuration for the next round over these requests. lag: per request, the
+        committed positions the drafter has not followed (a speculative round first feeds
+        them to it); remaining: per request, the tokens it may still emit.
 
         The estimates are recomputed every `REDECIDE_EVERY` rounds, or at once when the
         batch changed; in between the last choice stands. A new best must beat the
-        standing choice by `SWITCH_MARGIN`: near-ties are within the estimates' noise, and
-        switching is not free (plain rounds leave the drafter a lag to catch up on)."""
+        standing choice by `SWITCH_MARGIN`: near-ties are within the estimates' noise."""
         t0 = time.perf_counter()
         batch = tuple(seq_ids)
         if batch == self._last_batch and self._rounds_since < REDECIDE_EVERY - 1:
             self._rounds_since += 1
             best = self.last_choice
         else:
-            best = self._decide(seq_ids)
+            best = self._decide(seq_ids, lag, remaining)
             self._last_batch, self._rounds_since = batch, 0
         self.counts[spec_label(best)] += 1
         self.decide_seconds += time.perf_counter() - t0
         return best
 
-    def _decide(self, seq_ids: list[int]) -> SpecConfig | None:
+    def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
+                remaining: list[int] | None = None) -> SpecConfig | None:
         B = len(seq_ids)
         estimate: dict[str, float] = {}
         predicted: dict[SpecConfig, float] = {}
         options: list[tuple[SpecConfig | None, float]] = []
         if None in self.policy.candidates:
             options.append((None, B / self.costs.round_seconds(None, B)))
+        # Speculating now first feeds the drafter what it has not followed (a deferred
+        # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
+        catch_up = self.costs.catch_up_seconds(B, max(lag)) if lag else 0.0
+        left = float(np.mean(remaining)) if remaining else 0.0
         if self.stats.specs:
-            emitted = self.stats.expected_accept(seq_ids).sum(axis=0)           # [C]
+            per_request = self.stats.expected_accept(seq_ids)                 # [B, C]
+            if remaining:     # a request near its budget cannot emit more than it has left
+                per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
+            emitted = per_request.sum(axis=0)                                # [C]
             for spec, raw in zip(self.stats.specs, emitted):
                 predicted[spec] = float(raw)          # the model's own estimate, to calibrate against
                 tokens = B + self.calibration(spec) * (float(raw) - B)
-                options.append((spec, tokens / self.costs.round_seconds(spec, B)))
+                seconds = self.costs.round_seconds(spec, B)
+                if catch_up:
+                    seconds += catch_up / max(1.0, left * B / tokens)
+                options.append((spec, tokens / seconds))
         for spec, rate in options:
             estimate[spec_label(spec)] = rate
         best, best_rate = max(options, key=lambda o: o[1])
@@ -483,7 +514,8 @@ class SpecPolicyRunner:
                 self._calibrate(spec, float(sum(path_len)), self._predicted_per_request * len(seq_ids),
                                 len(seq_ids))
         elif spec is None:
-            self.stats.relax()
+            self.stats.relax(seq_ids)
+            self._relax_calibration()
         self.decide_seconds += time.perf_counter() - t0
 
     def calibration(self, spec: SpecConfig) -> float:
@@ -504,6 +536,13 @@ class SpecPolicyRunner:
         for key in (spec_label(spec), _kind(spec)):
             seen, pred = self.accept_sums.get(key, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
             self.accept_sums[key] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+
+    def _relax_calibration(self, keep: float = 0.97) -> None:
+        """A plain round: every calibration drifts back towards level, so one that a few
+        rounds set low is checked again later."""
+        for key, (seen, predicted) in self.accept_sums.items():
+            self.accept_sums[key] = (keep * seen + (1 - keep) * CALIBRATION_PRIOR,
+                                     keep * predicted + (1 - keep) * CALIBRATION_PRIOR)
 
     def forget(self, seq_id: int) -> None:
         self.stats.forget(seq_id)
