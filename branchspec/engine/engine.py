@@ -129,7 +129,7 @@ class Engine:
             # before the choice, which depends on it.
             self._reserve_round(spec.max_draft_tokens)
             running = self.scheduler.running
-            chosen = policy.choose([s.seq_id for s in running], lag=[s.drafter_lag_len for s in running],
+            chosen = policy.choose([s.seq_id for s in running], lag=[len(s.drafter_lag) for s in running],
                                    remaining=[s.num_remaining for s in running])
         else:
             chosen = spec

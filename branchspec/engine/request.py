@@ -30,6 +30,30 @@ class RoundStats:
         return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
 
 
+class DrafterLag:
+    """Committed positions the drafter has not followed: chunks of (tokens [n], the target's
+    hidden state before each [n, d]); len() is the number of positions, kept as a count so
+    that reading it each round costs nothing however many chunks plain rounds added."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.length = 0
+
+    def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.chunks.append((tokens, hidden))
+        self.length += len(tokens)
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+
 @dataclass
 class Sequence:
     """One request.
@@ -46,9 +70,8 @@ class Sequence:
     num_committed: int = 0
     last_hidden: torch.Tensor | None = None                # [d] target hidden at L - 1
     # Positions the target committed while the drafter did not run (under an adaptive
-    # policy: the prompt, and plain decode steps): chunks of (tokens [n], target hidden
-    # before each [n, d]), fed to the drafter before its next speculative round.
-    drafter_lag: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # policy: the prompt, and plain decode steps), fed to it before its next speculative round.
+    drafter_lag: DrafterLag = field(default_factory=DrafterLag)
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
@@ -71,11 +94,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def drafter_lag_len(self) -> int:
-        """Committed positions the drafter has not seen yet."""
-        return sum(len(tokens) for tokens, _ in self.drafter_lag)
 
     @property
     def num_remaining(self) -> int:

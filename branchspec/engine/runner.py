@@ -153,7 +153,7 @@ class ModelRunner:
                 prev = torch.cat([first[:, None], out.hidden[:, :-1]], dim=1)   # [B, N, d]
             if lag_mtp:
                 for j, (s, n) in enumerate(zip(group, counts)):
-                    s.drafter_lag.append((tokens[j, :n], prev[j, :n]))
+                    s.drafter_lag.append(tokens[j, :n], prev[j, :n])
             elif with_mtp:
                 mtp_meta = chain_meta(L, num_new, (), max_new=N)
                 mtp = self.model.mtp_forward(tokens, prev, mtp_meta, self.cache.gather_mtp(ids, L))
@@ -214,7 +214,7 @@ class ModelRunner:
         nxt = target_tokens(out.logits, *self.sampling(seqs))[:, 0].tolist()
         for b, s in enumerate(seqs):
             if track_drafter:
-                s.drafter_lag.append((roots[b], s.last_hidden[None]))
+                s.drafter_lag.append(roots[b], s.last_hidden[None])
             s.last_hidden = out.hidden[b, 0]
             s.num_committed += 1
         emitted = [[t] for t in nxt]

@@ -418,8 +418,11 @@ def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> Cos
 # Pseudo-tokens both sides of the accept calibration start with, so one unlucky round does
 # not condemn a candidate.
 CALIBRATION_PRIOR = 4.0
-# The estimates are recomputed every this many rounds while the batch stays the same.
+# The estimates are recomputed every this many rounds while the batch stays the same, or
+# every batch / REDECIDE_PER_REQUESTS rounds if that is more: a large batch's estimate
+# moves slowly and costs more to recompute.
 REDECIDE_EVERY = 2
+REDECIDE_PER_REQUESTS = 8
 # A better estimate must beat the standing choice by this much to replace it.
 SWITCH_MARGIN = 0.03
 
@@ -450,12 +453,13 @@ class SpecPolicyRunner:
         committed positions the drafter has not followed (a speculative round first feeds
         them to it); remaining: per request, the tokens it may still emit.
 
-        The estimates are recomputed every `REDECIDE_EVERY` rounds, or at once when the
-        batch changed; in between the last choice stands. A new best must beat the
+        The estimates are recomputed every `REDECIDE_EVERY` rounds (more at large
+        batches), or at once when the batch changed; in between the last choice stands. A new best must beat the
         standing choice by `SWITCH_MARGIN`: near-ties are within the estimates' noise."""
         t0 = time.perf_counter()
         batch = tuple(seq_ids)
-        if batch == self._last_batch and self._rounds_since < REDECIDE_EVERY - 1:
+        every = max(REDECIDE_EVERY, len(seq_ids) // REDECIDE_PER_REQUESTS)
+        if batch == self._last_batch and self._rounds_since < every - 1:
             self._rounds_since += 1
             best = self.last_choice
         else:
