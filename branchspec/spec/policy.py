@@ -233,7 +233,7 @@ class CostModel:
         return t
 
     def predict(self, spec: SpecConfig | None, batch: int) -> float:
-        """Seconds of one round of `spec` over `batch` requests, before correction."""
+        """Seconds of one round of `spec` over `batch` requests, without its measured overhead."""
         key = (spec, batch)
         if key not in self._predicted:
             self._predicted[key] = self._compose(spec, batch)
