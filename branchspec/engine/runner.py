@@ -95,7 +95,9 @@ class ModelRunner:
         self.target, self.mtp_forward = model.forward, model.mtp_forward
         if compile:
             from branchspec.engine.compiled import compile_steps
+            from branchspec.model.layers import build_stacked
 
+            build_stacked(model)     # compiled steps read the stacked projections built now
             self.target, self.mtp_forward = compile_steps(model)
             cache.pad_entries = True
             if drafter is not None:

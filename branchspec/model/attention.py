@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from branchspec.config import ModelConfig
-from branchspec.model.layers import RMSNorm, apply_rope, rope_cos_sin, unit_rms
+from branchspec.model.layers import RMSNorm, StackedLinear, apply_rope, rope_cos_sin, unit_rms
 from branchspec.model.metadata import ForwardMeta, PoolPlan, buffer_rows
 
 
@@ -94,11 +94,10 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(dim, cfg.norm_eps)
 
-    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [B, N, d_model], positions: [B, N] -> [B, N, 2*width] rows (a | g)."""
-        a = self.wkv(x)
-        g = self.wgate(x) + self.ape[positions % self.ratio]
-        return torch.cat([a, g], dim=-1)
+    def rows(self, a: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """a, g: [B, N, width] the input's wkv and wgate projections; positions: [B, N]
+        -> [B, N, 2*width] rows (a | g + ape)."""
+        return torch.cat([a, g + self.ape[positions % self.ratio]], dim=-1)
 
     def pool(self, rows_all: torch.Tensor, plan: PoolPlan, meta: ForwardMeta) -> torch.Tensor:
         """rows_all: [B, S + N, 2*width] (committed buffer then new rows) -> entries [B, K, dim]."""
@@ -132,19 +131,20 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.d_model, 4, self.head_dim, cfg, inv_freq)
         self.scale = (self.num_heads * self.head_dim) ** -0.5
 
-    def select(self, x: torch.Tensor, c_q: torch.Tensor, meta: ForwardMeta,
+    def select(self, head_weights: torch.Tensor, c_q: torch.Tensor, meta: ForwardMeta,
                index_keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """x: [B, N, d]; c_q: [B, N, q_lora]; index_keys: [B, T, d_I]; visible: [B, N, T] bool.
+        """head_weights: [B, N, H_I] the input's weights_proj projection; c_q: [B, N, q_lora];
+        index_keys: [B, T, d_I]; visible: [B, N, T] bool.
 
         Returns the selected subset of `visible`: its top-k entries by index score.
         """
-        B, N, _ = x.shape
+        B, N, _ = c_q.shape
         T = index_keys.shape[1]
         if T == 0:
             return visible
         q = self.wq_b(c_q).view(B, N, self.num_heads, self.head_dim)
         q = apply_rope(q, *cached_rope(meta, ("compress", "nodes"), meta.positions, self.inv_freq, q.dtype))
-        w = self.weights_proj(x) * self.scale                      # [B, N, H_I]
+        w = head_weights * self.scale                              # [B, N, H_I]
         dots = torch.einsum("bnhd,btd->bnht", q, index_keys).relu()
         score = torch.einsum("bnh,bnht->bnt", w, dots)             # [B, N, T]
         score = score.masked_fill(~visible, float("-inf"))
@@ -180,6 +180,19 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor = Compressor(cfg.d_model, ratio, dh, cfg, inv_freq) if ratio > 0 else None
         self.indexer = Indexer(cfg, inv_freq) if ratio == 4 else None
+        self.input_proj = StackedLinear(self._input_weights)
+
+    def _input_weights(self) -> list[torch.Tensor]:
+        """Every projection of the layer's normed input, in the order `forward` unpacks them:
+        wq_a, wkv, then the compressor's wkv and wgate, then the indexer's compressor wkv
+        and wgate and its weights_proj."""
+        ws = [self.wq_a.weight, self.wkv.weight]
+        if self.compressor is not None:
+            ws += [self.compressor.wkv.weight, self.compressor.wgate.weight]
+        if self.indexer is not None:
+            ic = self.indexer.compressor
+            ws += [ic.wkv.weight, ic.wgate.weight, self.indexer.weights_proj.weight]
+        return ws
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, state: LayerState
                 ) -> tuple[torch.Tensor, LayerScratch]:
@@ -189,11 +202,12 @@ class Attention(nn.Module):
         H, dh, W = cfg.num_heads, cfg.head_dim, cfg.window
         pos = meta.positions                                       # [B, N]
 
-        c_q = self.q_norm(self.wq_a(x))                            # [B, N, q_lora]
+        q_a, kv, *rest = self.input_proj(x)                        # one matmul for all of x's projections
+        c_q = self.q_norm(q_a)                                     # [B, N, q_lora]
         q = unit_rms(self.wq_b(c_q).view(B, N, H, dh), cfg.norm_eps)
         cs = cached_rope(meta, (self.rope_key, "nodes"), pos, self.inv_freq, x.dtype)
         q = apply_rope(q, *cs)                                     # [B, N, H, d_h]
-        k = apply_rope(self.kv_norm(self.wkv(x)), *cs)             # [B, N, d_h]
+        k = apply_rope(self.kv_norm(kv), *cs)                      # [B, N, d_h]
         scratch = LayerScratch(k=k)
 
         # Window: committed keys in range, plus ancestor-or-self new keys in range.
@@ -205,17 +219,17 @@ class Attention(nn.Module):
 
         if self.compressor is not None:
             plan = meta.pools[self.ratio]
-            rows = self.compressor.rows(x, pos)
+            rows = self.compressor.rows(rest[0], rest[1], pos)
             new_entries = self.compressor.pool(torch.cat([state.buf, rows], dim=1), plan, meta)  # [B, K, d_h]
             scratch.rows, scratch.entries = rows, new_entries
             visible = torch.cat([state.entries_valid[:, None, :].expand(B, N, -1), plan.visible], dim=-1)
             if self.indexer is not None:
                 idx = self.indexer
-                index_rows = idx.compressor.rows(x, pos)
+                index_rows = idx.compressor.rows(rest[2], rest[3], pos)
                 new_index_keys = idx.compressor.pool(torch.cat([state.index_buf, index_rows], dim=1), plan, meta)
                 scratch.index_rows, scratch.index_keys = index_rows, new_index_keys
                 all_index_keys = torch.cat([state.index_keys, new_index_keys], dim=1)
-                visible = idx.select(x, c_q, meta, all_index_keys, visible)
+                visible = idx.select(rest[4], c_q, meta, all_index_keys, visible)
             keys += [state.entries, new_entries]
             masks.append(visible)
 

@@ -4,9 +4,8 @@ them touches the isolation problem; they are what real V4 checkpoints need."""
 
 from __future__ import annotations
 
-import functools
-
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,6 +27,52 @@ class RMSNorm(nn.Module):
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each vector (last dim) to unit RMS, no learned gain (V4's query normalisation)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class StackedLinear:
+    """Linear maps that read the same input, run as one matmul when autograd is off.
+
+    The separate weights stay the model's parameters, so checkpoints, export and training
+    see nothing new; a stacked copy is built on first use and rebuilt whenever one of them
+    moved (`.to()`) or changed in place (loading, an optimiser step). At decode every
+    matmul is mostly call overhead, and a compressed layer's input feeds seven of them.
+    Compiled code uses the copy built before compiling (the runner builds it).
+    """
+
+    def __init__(self, weights: Callable[[], list[torch.Tensor]]):
+        self.weights = weights                  # the current [out_i, in] weights, in order
+        self.stacked: torch.Tensor | None = None  # [sum out_i, in]
+        self.sizes: list[int] = []
+        self.key: tuple = ()
+
+    def build(self) -> None:
+        """(Re)build the stacked copy if any weight moved or changed since the last build."""
+        ws = self.weights()
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        if key != self.key:
+            with torch.no_grad():
+                self.stacked = torch.cat([w.reshape(-1, w.shape[-1]) for w in ws])
+            self.sizes = [w.numel() // w.shape[-1] for w in ws]
+            self.key = key
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [..., in] -> one output [..., out_i] per weight."""
+        if torch.compiler.is_compiling():
+            if self.stacked is None:
+                return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
+        elif torch.is_grad_enabled():
+            return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
+        else:
+            self.build()
+        return list(F.linear(x, self.stacked).split(self.sizes, dim=-1))
+
+
+def build_stacked(module: nn.Module) -> None:
+    """Build every StackedLinear copy of `module` and its children now (before compiling)."""
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, StackedLinear):
+                value.build()
 
 
 # -- rotary embedding ----------------------------------------------------------------------
@@ -101,10 +146,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
     """w2 (silu(w1 x) * w3 x); limit > 0 clamps the gate from above and the up projection
     to [-limit, limit] (V4's swiglu_limit)."""
-    gate, up = F.linear(x, w1), F.linear(x, w3)
+    return F.linear(swiglu_hidden(F.linear(x, w1), F.linear(x, w3), limit), w2)
+
+
+def swiglu_hidden(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up, both clamped first when limit > 0."""
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear(F.silu(gate) * up, w2)
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
@@ -114,9 +163,14 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.input_proj = StackedLinear(self._input_weights)
+
+    def _input_weights(self) -> list[torch.Tensor]:
+        return [self.w1.weight, self.w3.weight]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight, self.limit)
+        gate, up = self.input_proj(x)
+        return F.linear(swiglu_hidden(gate, up, self.limit), self.w2.weight)
 
 
 _SCORE_FUNCS = {
@@ -146,8 +200,12 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, d]; input_ids: [T] -> (weights [T, k], expert indices [T, k])."""
+        return self.route(F.linear(x, self.weight), input_ids)
+
+    def route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [T, E] the gate's projection of the tokens; input_ids: [T]."""
         cfg = self.cfg
-        scores = _SCORE_FUNCS[cfg.scoring_func](F.linear(x, self.weight))   # [T, E]
+        scores = _SCORE_FUNCS[cfg.scoring_func](logits)                      # [T, E]
         if self.hashed:
             indices = self.tid2eid[input_ids]
         else:
@@ -191,6 +249,22 @@ class Experts(nn.Module):
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
+    def every_expert(self, gate: torch.Tensor, up: torch.Tensor, indices: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+        """The compiled path: every expert on every token. gate, up: [T, E*I] all experts'
+        w1 and w3 projections; each expert's activations are scaled by the token's routing
+        weight (0 for experts it did not choose), then all down projections run as one
+        matmul. No shape depends on the routing, so the step compiles into one graph; it
+        does E/k times the routed matmul work, which costs less than the grouped path's
+        per-expert calls while experts are few (the embedded models have 4)."""
+        E, I, d = self.w1.shape
+        T = gate.shape[0]
+        route = torch.zeros(T, E, dtype=gate.dtype, device=gate.device).scatter_add(
+            1, indices, weights.to(gate.dtype))                           # [T, E]
+        h = swiglu_hidden(gate.view(T, E, I), up.view(T, E, I), self.limit) * route[..., None]
+        w2 = self.w2.permute(1, 0, 2).reshape(d, E * I)                    # [d, E*I]
+        return F.linear(h.reshape(T, E * I), w2)
+
     def _few_tokens(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Decode at batch 1: each token's experts one by one, without sorting or scattering
         (half the tensor ops of the grouped path, which is what a one-token step costs)."""
@@ -211,14 +285,34 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, hashed)
         self.experts = Experts(cfg)
         self.shared_experts = SwiGLU(cfg.d_model, cfg.moe_hidden, cfg.swiglu_limit) if cfg.num_shared_experts else None
+        # Everything that reads the FFN input: the gate and the shared expert's w1 and w3;
+        # compiled, also every routed expert's w1 and w3. (Bound methods, not lambdas, so
+        # that a deep copy of the model reads its own weights.)
+        self.input_proj = StackedLinear(self._input_weights)
+        self.compiled_input_proj = StackedLinear(self._compiled_input_weights)
+
+    def _input_weights(self) -> list[torch.Tensor]:
+        sh = self.shared_experts
+        return [self.gate.weight] + ([sh.w1.weight, sh.w3.weight] if sh is not None else [])
+
+    def _compiled_input_weights(self) -> list[torch.Tensor]:
+        return self._input_weights() + [self.experts.w1, self.experts.w3]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x: [..., d]; input_ids: [...] (the hash layers route by them)."""
         flat = x.reshape(-1, x.shape[-1])
-        weights, indices = self.gate(flat, input_ids.reshape(-1))
-        y = self.experts(flat, indices, weights)
+        ids = input_ids.reshape(-1)
+        if torch.compiler.is_compiling():
+            logits, *shared, gate, up = self.compiled_input_proj(flat)
+            weights, indices = self.gate.route(logits, ids)
+            y = self.experts.every_expert(gate, up, indices, weights)
+        else:
+            logits, *shared = self.input_proj(flat)
+            weights, indices = self.gate.route(logits, ids)
+            y = self.experts(flat, indices, weights)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            sh = self.shared_experts
+            y = y + F.linear(swiglu_hidden(shared[0], shared[1], sh.limit), sh.w2.weight)
         return y.view(x.shape)
 
 
@@ -237,10 +331,15 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tenso
     return F.linear(F.rms_norm(flat, (flat.shape[-1],), eps=eps), fn)     # unit_rms in one op
 
 
-@functools.cache
+_HC_SCALE_INDEX: dict[int, torch.Tensor] = {}
+
+
 def _hc_scale_index(n: int) -> torch.Tensor:
-    """Which of the three scales each mix row takes: pre (n rows), post (n), comb (n x n)."""
-    return torch.tensor([0] * n + [1] * n + [2] * (n * n))
+    """Which of the three scales each mix row takes: pre (n rows), post (n), comb (n x n).
+    (A plain dict rather than functools.cache, which the compiler does not follow.)"""
+    if n not in _HC_SCALE_INDEX:
+        _HC_SCALE_INDEX[n] = torch.tensor([0] * n + [1] * n + [2] * (n * n))
+    return _HC_SCALE_INDEX[n]
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
