@@ -1,9 +1,11 @@
 """The compiled fast path gives the same greedy tokens as eager, on a small grid, and
 compiles nothing after its warm-up: a growing context, new requests, other batch sizes and
-other accept lengths reuse the warm-up's graphs.
+other accept lengths reuse the warm-up's graphs. A second LLM loads the saved steps
+instead of compiling them.
 
 Compiling takes tens of seconds per graph on two cores, so one compiled LLM serves the
-whole module; eager stays the reference (and the default everywhere else)."""
+whole module (with a cache folder of its own, so it compiles from scratch); eager stays
+the reference (and the default everywhere else)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.config import tiny_config
-from branchspec.engine.compiled import compilations
+from branchspec.engine.compiled import compilations, steps_loaded
 from branchspec.model.weights import random_model, save_checkpoint
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
@@ -26,14 +28,18 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llms(ckpt):
+def llms(ckpt, tmp_path_factory):
     """(eager, compiled, warm-up report); both LLMs seeded alike."""
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    eager = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
-    fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
-    warm = {"tree": fast.warmup(TREE, batch_sizes=(1,)), "chain": fast.warmup(CHAIN, batch_sizes=(1,))}
-    yield eager, fast, warm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRANCHSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        eager = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
+        fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
+        loaded = steps_loaded()
+        warm = {"tree": fast.warmup(TREE, batch_sizes=(1,)), "chain": fast.warmup(CHAIN, batch_sizes=(1,)),
+                "loaded": steps_loaded() - loaded}
+        yield eager, fast, warm
     torch.set_num_threads(n)
 
 
@@ -41,8 +47,21 @@ def test_warmup_compiles_a_few_graphs(llms):
     _, _, warm = llms
     # target: one node (decode) and D nodes (verify); drafter: one node (root, chain
     # steps) and several (tree frontier, extend). The chain after the tree needs nothing new.
-    assert 1 <= warm["tree"]["graphs"] <= 4
+    assert warm["tree"]["graphs"] == 4
     assert warm["chain"]["graphs"] == 0
+    assert warm["loaded"] == 0, "the module's cache folder starts empty"
+
+
+def test_a_second_llm_loads_the_compiled_steps(llms, ckpt):
+    eager, fast, _ = llms
+    before, loaded = compilations(), steps_loaded()
+    again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
+    again.warmup(TREE, batch_sizes=(1,))
+    assert steps_loaded() - loaded == 4
+    assert compilations() == before
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ours = [o.token_ids for o in again.generate(PROMPTS[:3], params, spec=TREE)]
+    assert ours == [o.token_ids for o in eager.generate(PROMPTS[:3], params, spec=TREE)]
 
 
 @pytest.mark.parametrize("spec", [None, TREE, CHAIN], ids=["plain", "tree", "chain"])

@@ -15,6 +15,7 @@ no breaks (`fullgraph`). Prefill chunks vary in length and stay eager.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -94,16 +95,85 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
                 mark(t, d)
 
 
-class BatchPadded:
-    """Call a compiled step on canonical inputs: contiguous, aliasing kept, and batch 1
-    padded to 2 (the one row twice) with row 0 of the output kept.
+def target_step(model: Transformer, input_ids: torch.Tensor, meta, states: list[LayerState]):
+    """The target's forward as a plain function of the model (what gets compiled: the model
+    is an input, so one compiled step serves any weights of the same configuration)."""
+    return model.forward(input_ids, meta, states)
 
-    The compiler guards on strides, on which inputs alias each other, and specialises a
-    size of 1; each of those would otherwise cost a graph of its own. At batch 1 a step is
-    overhead-bound, so a second row costs little next to compiling every graph twice."""
 
-    def __init__(self, fn: Callable, drafter: bool = False):
-        self.fn, self.drafter = fn, drafter
+def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta,
+                 state: LayerState):
+    """The MTP block's forward, likewise."""
+    return model.mtp_forward(input_ids, prev_hidden, meta, state)
+
+
+def _guards_to_keep(entries) -> list[bool]:
+    """Keep the guards on the step's inputs and on the model's configuration; drop two
+    kinds. Shape and stride checks on the weights: a model's weights keep their shapes
+    after loading, and checking a few hundred of them cost 0.3 ms a call, more than many of
+    the step's kernels. Guards on globals (imported modules and functions), which never
+    change within a process and which a saved step cannot carry (what `aot_compile` drops
+    by default)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ())
+    return [not (e.is_global or e.guard_type in unsaveable
+                 or (e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.nn.Parameter)))
+            for e in entries]
+
+
+_LOADED = [0]   # compiled steps this process loaded from the cache folder
+
+
+def _source_digest() -> str:
+    """What a compiled step was built from: the model code and this file."""
+    import hashlib
+    from pathlib import Path
+
+    import branchspec.model as model_pkg
+
+    h = hashlib.sha256()
+    for path in sorted(Path(model_pkg.__file__).parent.glob("*.py")) + [Path(__file__)]:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class CompiledStep:
+    """One compiled step (the target's or the drafter's forward), called on canonical inputs.
+
+    Canonical: contiguous, aliasing kept, and batch 1 padded to 2 (the one row twice) with
+    row 0 of the output kept. The compiler guards on strides and on which inputs alias each
+    other, and specialises a size of 1; each would otherwise cost a graph of its own, and at
+    batch 1 a step is overhead-bound, so a second row costs little.
+
+    Each shape class (the node count; the drafter's counts from 2 up share one) is compiled
+    ahead of time (`aot_compile`) on its first call, and saved under the branchspec cache
+    folder, keyed by the model's configuration, dtype, device, the source of the model code,
+    torch and the CPU; a later process loads it in about a second instead of tracing and
+    compiling it again (tracing alone takes 5-10 s a graph on two cores). Set
+    BRANCHSPEC_COMPILE_CACHE=0 to neither read nor write it. Where ahead-of-time compiling
+    is refused, the step falls back to plain `torch.compile`.
+    """
+
+    def __init__(self, model: Transformer, fn: Callable, drafter: bool = False):
+        self.model, self.fn, self.drafter = model, fn, drafter
+        self.steps: dict[str, Callable] = {}
+        self.fallback: Callable | None = None
+
+    def shape_class(self, args: tuple) -> str:
+        n = args[0].shape[1]
+        return "nodes2+" if self.drafter and n >= 2 else f"nodes{n}"
+
+    def key(self, shape_class: str) -> str:
+        import hashlib
+        import json
+
+        w = self.model.embed.weight
+        blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": w.device.type,
+                           "step": self.fn.__name__, "shape": shape_class, "source": _source_digest(),
+                           "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def __call__(self, *args):
         pad = args[0].shape[0] == 1
@@ -115,37 +185,84 @@ class BatchPadded:
             return seen[id(t)]
 
         args = _map_batch(args, canonical)
-        mark_varying_sizes(args, self.drafter)
-        out = self.fn(*args)
+        cls = self.shape_class(args)
+        step = self.steps.get(cls) or self._prepare(cls, args)
+        try:
+            out = step(self.model, *args)
+        except RuntimeError as e:
+            if "GuardManager check failed" not in str(e):
+                raise
+            if self.fallback is None:
+                warnings.warn(f"{self.fn.__name__}: inputs its {cls} step was not compiled for; compiling "
+                              f"them separately ({str(e)[:300]})", stacklevel=2)
+            out = self._fallback()(self.model, *args)
         return _map_batch(out, lambda t: t[:1]) if pad else out
 
+    def _options(self) -> dict:
+        return dict(dynamic=False, fullgraph=True, options={"guard_filter_fn": _guards_to_keep})
 
-def _skip_weight_guards(entries) -> list[bool]:
-    """Keep every guard but the shape and stride checks on the weights: a model's weights
-    keep their shapes after loading, and checking a few hundred of them cost 0.3 ms a call,
-    more than many of the step's kernels. Guards on the model's configuration and on the
-    step's inputs stay, so another model, or another step, still gets its own graph."""
-    return [not (e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.nn.Parameter)) for e in entries]
+    def _fallback(self) -> Callable:
+        if self.fallback is None:
+            self.fallback = torch.compile(self.fn, **self._options())
+        return self.fallback
+
+    def _prepare(self, cls: str, args: tuple) -> Callable:
+        """Load the shape class's compiled step from the cache folder, else compile it now
+        (then save it). Compiling traces the example with a scratch copy of its metadata."""
+        import os
+
+        from branchspec.spec.policy import cache_dir
+
+        use_cache = os.environ.get("BRANCHSPEC_COMPILE_CACHE", "1") != "0"
+        path = cache_dir() / "compiled" / f"{self.fn.__name__}-{cls}-{self.key(cls)}.bin"
+        step = None
+        if use_cache and path.exists():
+            try:
+                with open(path, "rb") as f:
+                    step = torch.compiler.load_compiled_function(f)
+                _LOADED[0] += 1
+            except Exception:   # noqa: BLE001 - unreadable or from another build: compile anew
+                step = None
+        if step is None:
+            example = _map_batch(args, lambda t: t)   # fresh metadata (its RoPE memo is written while tracing)
+            mark_varying_sizes(example, self.drafter)
+            try:
+                step = torch.compile(self.fn, **self._options()).aot_compile(((self.model, *example), {}))
+            except Exception as e:   # noqa: BLE001 - ahead-of-time compiling refused: plain torch.compile
+                warnings.warn(f"{self.fn.__name__} could not be compiled ahead of time ({type(e).__name__}: "
+                              f"{str(e)[:200]}); using plain torch.compile", stacklevel=2)
+                step = self._fallback()
+            else:
+                if use_cache:
+                    try:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        tmp = path.with_suffix(".tmp")
+                        step.save_compiled_function(str(tmp))
+                        tmp.replace(path)
+                    except Exception:   # noqa: BLE001 - an unwritable cache only costs the next start
+                        pass
+        self.steps[cls] = step
+        return step
 
 
 def compile_steps(model: Transformer) -> tuple[Callable, Callable]:
-    """(target forward, MTP forward), compiled with dynamic shapes."""
+    """(target forward, MTP forward), compiled (see `CompiledStep`)."""
     import torch.fx.experimental._config as fx_config
 
-    # Two unrelated sizes that happen to be equal (64 entries, a 64-token window) must not
-    # be assumed equal forever: that guard fails as the context grows and recompiles.
+    # Two unrelated varying sizes that happen to be equal (the batch and the drafter's node
+    # count) must not be assumed equal forever: that guard fails later and recompiles.
     fx_config.use_duck_shape = False
-    # Enough room for the few graphs one configuration needs (per node count, batch 1 vs
-    # more); past the limit dynamo silently falls back to eager, which `compilations`
-    # makes visible.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-    options = dict(dynamic=False, fullgraph=True, options={"guard_filter_fn": _skip_weight_guards})
-    return (BatchPadded(torch.compile(model.forward, **options)),
-            BatchPadded(torch.compile(model.mtp_forward, **options), drafter=True))
+    return CompiledStep(model, target_step), CompiledStep(model, drafter_step, drafter=True)
 
 
 def compilations() -> int:
-    """Graphs compiled so far in this process (dynamo's counter)."""
+    """Graphs compiled so far in this process, ahead of time or by a fallback (dynamo's
+    counter)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def steps_loaded() -> int:
+    """Compiled steps this process loaded from the cache folder instead of compiling."""
+    return _LOADED[0]
