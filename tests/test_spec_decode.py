@@ -9,6 +9,7 @@ import torch
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.engine.sampler import sampling_probs
 from branchspec.llm import LLM
+from branchspec.model.metadata import chain_meta
 from branchspec.model.weights import random_model, save_checkpoint
 from branchspec.spec.drafter import select_tree
 from conftest import markov_batches
@@ -52,6 +53,32 @@ def test_greedy_speculative_equals_plain_batch_of_8(llm, prompts, params, plain,
     outs = llm.generate(prompts, params, spec=spec)
     assert [o.token_ids for o in outs] == plain
     assert llm.last_stats.accept_length > 1.2, "drafts were hardly accepted: the test would prove little"
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.chain(6), SpecConfig(3, 2, 6)], ids=["chain6", "tree326"])
+def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, monkeypatch):
+    """Each round's draft extend also feeds the next root, and the next round grows its tree
+    from that instead of a forward of its own: what it reuses equals the root's own forward
+    (same keys attended, in another order), and only a batch's first round computes it."""
+    drafter = llm.engine.runner.drafter
+    original = drafter.draft
+    rounds = {"reused": 0, "computed": 0}
+
+    def checked(root_ids, prev_hidden, L, committed, spec, root=None):
+        if root is None:
+            rounds["computed"] += 1
+        else:
+            rounds["reused"] += 1
+            own = drafter.mtp_forward(root_ids[:, None], prev_hidden[:, None], chain_meta(L, 1, (), max_new=1),
+                                      committed)
+            torch.testing.assert_close(root.k, own.scratch[0].k, atol=1e-10, rtol=0)
+            torch.testing.assert_close(root.hidden, own.hidden, atol=1e-10, rtol=0)
+            torch.testing.assert_close(root.logits, own.logits[:, 0], atol=1e-10, rtol=0)
+        return original(root_ids, prev_hidden, L, committed, spec, root=root)
+
+    monkeypatch.setattr(drafter, "draft", checked)
+    assert [o.token_ids for o in llm.generate(prompts, params, spec=spec)] == plain
+    assert rounds["computed"] == 1 and rounds["reused"] >= 5
 
 
 @pytest.mark.parametrize("spec", [SpecConfig.chain(6), SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)],

@@ -219,8 +219,7 @@ class Engine:
                     raise
                 victim = self.scheduler.preempt()
                 self.cache.free(victim.seq_id)
-                victim.num_committed, victim.last_hidden = 0, None
-                victim.drafter_lag.clear()
+                victim.forget_state()
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> None:
         """Add emitted tokens (with their logprob dicts, when asked for) up to the first stop."""
@@ -280,8 +279,7 @@ class Engine:
             self.scheduler.waiting.appendleft(seq)
         if seq.seq_id in self.cache.tables:
             self.cache.free(seq.seq_id)
-        seq.num_committed, seq.last_hidden = 0, None
-        seq.drafter_lag.clear()
+        seq.forget_state()
 
     def run(self, spec: SpecConfig | AutoPolicy | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:
         finished = []

@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from branchspec.config import SamplingParams
+from branchspec.spec.drafter import DraftRoot
 
 
 class FinishReason(str, Enum):
@@ -72,6 +73,10 @@ class Sequence:
     # Positions the target committed while the drafter did not run (under an adaptive
     # policy: the prompt, and plain decode steps), fed to it before its next speculative round.
     drafter_lag: DrafterLag = field(default_factory=DrafterLag)
+    # The drafter's output at the next root, computed by the last round's draft extend
+    # (`spec.drafter.DraftRoot`, one row), with the committed length it belongs to; a round
+    # that finds it current skips the root's own drafter forward.
+    draft_root: tuple[int, DraftRoot] | None = None
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
@@ -82,6 +87,12 @@ class Sequence:
     # once by the first prefill (a recompute after preemption keeps them).
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def forget_state(self) -> None:
+        """Drop everything derived from cached state (preemption, a failed round): the
+        request is recomputed from its tokens."""
+        self.num_committed, self.last_hidden, self.draft_root = 0, None, None
+        self.drafter_lag.clear()
 
     def __post_init__(self) -> None:
         if self.logprobs is None and self.params.logprobs is not None:

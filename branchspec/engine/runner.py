@@ -20,7 +20,7 @@ from branchspec.engine.sampler import logprob_dicts, target_tokens
 from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.spec.accept import accept
-from branchspec.spec.drafter import Drafter
+from branchspec.spec.drafter import Drafter, DraftRoot
 from branchspec.spec.tree import build_verify_plan
 
 ROUND_PHASES = ("draft", "plan", "verify", "accept", "commit", "draft_extend")
@@ -260,6 +260,18 @@ class ModelRunner:
         self.last_catch_up_seconds = time.perf_counter() - t0
         self.timer.record("draft_extend", t0)
 
+    @staticmethod
+    def _draft_root(seqs: list[Sequence]) -> DraftRoot | None:
+        """The batch's roots as the last rounds' draft extends computed them, when every
+        request has its own current (its drafter saw exactly its committed positions since);
+        else None, and the round computes them all."""
+        rows = []
+        for s in seqs:
+            if s.draft_root is None or s.draft_root[0] != s.num_committed or s.drafter_lag:
+                return None
+            rows.append(s.draft_root[1])
+        return DraftRoot.stack(rows)
+
     @torch.no_grad()
     def spec_round(self, seqs: list[Sequence], spec: SpecConfig) -> RoundResult:
         self.catch_up_drafter(seqs)
@@ -271,7 +283,8 @@ class ModelRunner:
         roots = torch.tensor([s.root_id for s in seqs], device=dev)
         prev_hidden = torch.stack([s.last_hidden for s in seqs])            # [B, d]
 
-        tree = self.drafter.draft(roots, prev_hidden, L, self.cache.gather_mtp(ids, L), spec)
+        tree = self.drafter.draft(roots, prev_hidden, L, self.cache.gather_mtp(ids, L), spec,
+                                  root=self._draft_root(seqs))
         t0 = self.timer.record("draft", t0)
 
         plan = build_verify_plan(tree.parents, L, cfg.compressed_ratios, static=self.static)
@@ -305,22 +318,30 @@ class ModelRunner:
         t0 = self.timer.record("commit", t0)
 
         # Draft extend: drafter slots L .. L+n-1 for the committed path, now with the
-        # target's hidden states instead of the drafter's own.
+        # target's hidden states instead of the drafter's own, and one node further the
+        # next root (the bonus token), whose output the next round starts from.
         bidx = torch.arange(B, device=dev)[:, None]
         path_hidden = out.hidden[bidx, acc.path]                             # [B, D, d]
-        prev = torch.cat([prev_hidden[:, None], path_hidden[:, :-1]], dim=1)
-        # Compiled: always D slots (padding masked by meta.valid), so no accept length recompiles.
-        Nmax = spec.num_draft_tokens if self.static else int(acc.path_len.max())
-        meta = chain_meta(L, acc.path_len, (), max_new=Nmax)
+        prev = torch.cat([prev_hidden[:, None], path_hidden], dim=1)         # [B, D+1, d]: node i's is node i-1's
+        tokens = torch.cat([path_tokens, path_tokens[:, :1]], dim=1)         # [B, D+1]
+        tokens[torch.arange(B, device=dev), acc.path_len] = acc.bonus
+        # Compiled: always D+1 slots (padding masked by meta.valid), so no accept length recompiles.
+        Nmax = spec.num_draft_tokens + 1 if self.static else int(acc.path_len.max()) + 1
+        meta = chain_meta(L, acc.path_len + 1, (), max_new=Nmax)
         committed = self.cache.gather_mtp(ids, L)
         if self.static:   # per-node visibility, as the drafter's frontier steps have: one graph for both
             committed.raw_valid = committed.raw_valid.expand(B, Nmax, committed.raw_valid.shape[-1])
-        mtp = self.mtp_forward(path_tokens[:, :Nmax], prev[:, :Nmax], meta, committed)
-        self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
+        mtp = self.mtp_forward(tokens[:, :Nmax], prev[:, :Nmax], meta, committed)
+        on_path = meta.valid & (torch.arange(Nmax, device=dev)[None] < acc.path_len[:, None])
+        self.cache.commit_mtp(ids, meta, mtp.scratch[0], on_path)            # the root stays uncommitted
         last = path_hidden[torch.arange(B, device=dev), acc.path_len - 1]    # [B, d]
+        at_root = (torch.arange(B, device=dev), acc.path_len)
+        ahead = DraftRoot(k=mtp.scratch[0].k[at_root][:, None], hidden=mtp.hidden[at_root][:, None],
+                          logits=mtp.logits[at_root])
         for b, s in enumerate(seqs):
             s.num_committed += path_len[b]
             s.last_hidden = last[b]
+            s.draft_root = (s.num_committed, ahead.row(b))
         self.timer.record("draft_extend", t0)
         path_children = path_targets = None
         if tree.children is not None:

@@ -39,9 +39,29 @@ class DraftTree:
     children: torch.Tensor | None = None
 
 
+@dataclass
+class DraftRoot:
+    """The drafter's output at a round's root, computed ahead: the previous round's draft
+    extend feeds the committed path and, one node further, the new root (the bonus token,
+    after the last accepted node's target hidden state), so the next round grows its tree
+    from here with one drafter forward fewer (as SGLang fuses them)."""
+
+    k: torch.Tensor        # [B, 1, d_h] the root's MTP key (at position L, not committed)
+    hidden: torch.Tensor   # [B, 1, n*d] its MTP hidden state
+    logits: torch.Tensor   # [B, V]
+
+    def row(self, b: int) -> "DraftRoot":
+        return DraftRoot(self.k[b:b + 1], self.hidden[b:b + 1], self.logits[b:b + 1])
+
+    @staticmethod
+    def stack(rows: list["DraftRoot"]) -> "DraftRoot":
+        return DraftRoot(torch.cat([r.k for r in rows]), torch.cat([r.hidden for r in rows]),
+                         torch.cat([r.logits for r in rows]))
+
+
 class Drafter(Protocol):
     def draft(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
-              committed: LayerState, spec: SpecConfig) -> DraftTree: ...
+              committed: LayerState, spec: SpecConfig, root: DraftRoot | None = None) -> DraftTree: ...
 
 
 class MTPDrafter:
@@ -55,21 +75,24 @@ class MTPDrafter:
 
     @torch.no_grad()
     def draft(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
-              committed: LayerState, spec: SpecConfig) -> DraftTree:
+              committed: LayerState, spec: SpecConfig, root: DraftRoot | None = None) -> DraftTree:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
-        committed: the drafter's KV for positions < L (from the paged pool)."""
+        committed: the drafter's KV for positions < L (from the paged pool); root: the
+        drafter's output at the root when already computed (`DraftRoot`)."""
         k, D = spec.topk, spec.num_draft_tokens
         B = root_ids.shape[0]
         device = root_ids.device
         bidx = torch.arange(B, device=device)[:, None]
 
         # Step 1: the root's MTP slot at position L.
-        root = self.mtp_forward(root_ids[:, None], prev_hidden[:, None], chain_meta(num_committed, 1, ()),
-                                 committed)
-        slot_k = root.scratch[0].k                                  # [B, X, d_h] keys of expanded nodes
+        if root is None:
+            out = self.mtp_forward(root_ids[:, None], prev_hidden[:, None],
+                                   chain_meta(num_committed, 1, (), max_new=1), committed)
+            root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=out.logits[:, 0])
+        slot_k = root.k                                             # [B, X, d_h] keys of expanded nodes
         slot_pos = num_committed[:, None].clone()                   # [B, X]
         slot_hidden = root.hidden                                   # [B, X, d]
-        logp = torch.log_softmax(root.logits[:, 0].float(), dim=-1)
+        logp = torch.log_softmax(root.logits.float(), dim=-1)
         cand_score, cand_tok = logp.topk(k, dim=-1)                 # [B, k]
         cand_parent = torch.full((B, k), -1, dtype=torch.long, device=device)   # candidate index, -1 root
         cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
