@@ -33,7 +33,9 @@ def step_times(model, batch: int, context: int, steps: int, compiled: bool = Fal
     forward = model.forward
     if compiled:
         from branchspec.engine.compiled import compile_steps
+        from branchspec.model.layers import build_stacked
 
+        build_stacked(model)
         forward = compile_steps(model)[0]
         cache.pad_entries = True
     ids = list(range(batch))
