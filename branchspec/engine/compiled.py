@@ -103,8 +103,8 @@ def target_step(model: Transformer, input_ids: torch.Tensor, meta, states: list[
 
 def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta,
                  state: LayerState):
-    """The MTP block's forward, likewise."""
-    return model.mtp_forward(input_ids, prev_hidden, meta, state)
+    """The MTP block's forward, likewise, without its LM head (see `Transformer.mtp_forward`)."""
+    return model.mtp_forward(input_ids, prev_hidden, meta, state, logits=False)
 
 
 def _guards_to_keep(entries) -> list[bool]:

@@ -7,6 +7,7 @@ plan, verify, accept, commit, draft-extend) over a batch.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -92,7 +93,8 @@ class ModelRunner:
         self.timer = PhaseTimer()
         self.last_catch_up_seconds = 0.0    # of the last speculative round (drafter lag fed first)
         self.static = compile
-        self.target, self.mtp_forward = model.forward, model.mtp_forward
+        # The drafter's forward without its LM head: the extend needs logits at the new root only.
+        self.target, self.mtp_forward = model.forward, functools.partial(model.mtp_forward, logits=False)
         if compile:
             from branchspec.engine.compiled import compile_steps
             from branchspec.model.layers import build_stacked
@@ -158,7 +160,7 @@ class ModelRunner:
                     s.drafter_lag.append(tokens[j, :n], prev[j, :n])
             elif with_mtp:
                 mtp_meta = chain_meta(L, num_new, (), max_new=N)
-                mtp = self.model.mtp_forward(tokens, prev, mtp_meta, self.cache.gather_mtp(ids, L))
+                mtp = self.model.mtp_forward(tokens, prev, mtp_meta, self.cache.gather_mtp(ids, L), logits=False)
                 self.cache.commit_mtp(ids, mtp_meta, mtp.scratch[0], mtp_meta.valid)
             if prompt_lps:
                 self._collect_prompt_logprobs(seqs, active, counts, out.logits, prompt_lps)
@@ -251,7 +253,7 @@ class ModelRunner:
             ids = [lagging[j].seq_id for j in active]
             L = torch.tensor([start[j] + done[j] for j in active], dtype=torch.long, device=self.device)
             meta = chain_meta(L, torch.tensor(counts, device=self.device), (), max_new=N)
-            mtp = self.model.mtp_forward(tokens, prev, meta, self.cache.gather_mtp(ids, L))
+            mtp = self.model.mtp_forward(tokens, prev, meta, self.cache.gather_mtp(ids, L), logits=False)
             self.cache.commit_mtp(ids, meta, mtp.scratch[0], meta.valid)
             for j, n in zip(active, counts):
                 done[j] += n
@@ -337,7 +339,7 @@ class ModelRunner:
         last = path_hidden[torch.arange(B, device=dev), acc.path_len - 1]    # [B, d]
         at_root = (torch.arange(B, device=dev), acc.path_len)
         ahead = DraftRoot(k=mtp.scratch[0].k[at_root][:, None], hidden=mtp.hidden[at_root][:, None],
-                          logits=mtp.logits[at_root])
+                          logits=self.model.mtp_logits(mtp.hidden[at_root]))
         for b, s in enumerate(seqs):
             s.num_committed += path_len[b]
             s.last_hidden = last[b]

@@ -36,7 +36,9 @@ class StackedLinear:
     see nothing new; a stacked copy is built on first use and rebuilt whenever one of them
     moved (`.to()`) or changed in place (loading, an optimiser step). At decode every
     matmul is mostly call overhead, and a compressed layer's input feeds seven of them.
-    Compiled code uses the copy built before compiling (the runner builds it).
+    Compiled code uses the copy only when it was frozen for inference before compiling
+    (`build_stacked`, which the engine's runner calls); a model compiled for training keeps
+    the separate matmuls.
     """
 
     def __init__(self, weights: Callable[[], list[torch.Tensor]]):
@@ -44,6 +46,7 @@ class StackedLinear:
         self.stacked: torch.Tensor | None = None  # [sum out_i, in]
         self.sizes: list[int] = []
         self.key: tuple = ()
+        self.frozen = False                     # built for compiled inference (`build_stacked`)
 
     def build(self) -> None:
         """(Re)build the stacked copy if any weight moved or changed since the last build."""
@@ -57,22 +60,24 @@ class StackedLinear:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [..., in] -> one output [..., out_i] per weight."""
-        if torch.compiler.is_compiling():
-            if self.stacked is None:
-                return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
-        elif torch.is_grad_enabled():
+        compiling = torch.compiler.is_compiling()
+        if torch.is_grad_enabled() or (compiling and not self.frozen):
+            # training (gradients must reach the weights), or compiled code, which cannot
+            # check the weights' versions, without a copy frozen for it
             return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
-        else:
+        if not compiling:
             self.build()
         return list(F.linear(x, self.stacked).split(self.sizes, dim=-1))
 
 
 def build_stacked(module: nn.Module) -> None:
-    """Build every StackedLinear copy of `module` and its children now (before compiling)."""
+    """Build every StackedLinear copy of `module` and its children now and freeze them for
+    compiled inference: call it before compiling a model whose weights will not change."""
     for m in module.modules():
         for value in vars(m).values():
             if isinstance(value, StackedLinear):
                 value.build()
+                value.frozen = True
 
 
 # -- rotary embedding ----------------------------------------------------------------------

@@ -73,7 +73,7 @@ def collapse(module: nn.Module, h: torch.Tensor, cfg: ModelConfig) -> torch.Tens
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor              # [B, N, V]
+    logits: torch.Tensor | None       # [B, N, V] (None: the MTP block asked not to)
     hidden: torch.Tensor              # [B, N, n*d] last block's residual (all streams), before any head
     scratch: list[LayerScratch]       # one per layer
 
@@ -136,8 +136,12 @@ class Transformer(nn.Module):
 
     # -- drafter ----------------------------------------------------------------------
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
-                    state: LayerState | None = None) -> ForwardOutput:
-        """input_ids: [B, N] tokens x_p; prev_hidden: [B, N, n*d] residual for p - 1."""
+                    state: LayerState | None = None, logits: bool = True) -> ForwardOutput:
+        """input_ids: [B, N] tokens x_p; prev_hidden: [B, N, n*d] residual for p - 1.
+
+        `logits=False` skips the LM head (logits None): drafting needs it at few of the
+        nodes it feeds, and at a large batch the head is most of the block's cost; apply
+        `mtp_logits` to the hidden states that need it."""
         mtp, cfg = self.mtp[0], self.cfg
         B, N = input_ids.shape
         if state is None:
@@ -149,8 +153,15 @@ class Transformer(nn.Module):
         else:
             h = e + mtp.h_proj(mtp.hnorm(prev_hidden))
         h, s = Block.forward(mtp, h, meta, state, input_ids)
-        logits = self.head(mtp.norm(collapse(mtp, h, cfg)))
-        return ForwardOutput(logits=logits, hidden=h.reshape(B, N, -1), scratch=[s])
+        hidden = h.reshape(B, N, -1)
+        return ForwardOutput(logits=self.mtp_logits(hidden) if logits else None, hidden=hidden, scratch=[s])
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP block's hidden states [..., n*d] (all streams) -> its logits [..., V]."""
+        mtp, cfg = self.mtp[0], self.cfg
+        if cfg.hc_mult:
+            hidden = hidden.unflatten(-1, (cfg.hc_mult, cfg.d_model))
+        return self.head(mtp.norm(collapse(mtp, hidden, cfg)))
 
     # -- training ---------------------------------------------------------------------
     def full_forward(self, input_ids: torch.Tensor, with_mtp: bool = False

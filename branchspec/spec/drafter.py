@@ -15,6 +15,7 @@ the MTP keys of its own ancestors (root slot included), never a sibling's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,7 +72,9 @@ class MTPDrafter:
         if not model.mtp:
             raise ValueError("the checkpoint has no MTP block (num_mtp_layers = 0); it cannot draft")
         self.model = model
-        self.mtp_forward = model.mtp_forward        # the runner swaps in a compiled one
+        # Without the LM head: the drafter applies it (`mtp_logits`) where it needs logits.
+        # The runner swaps in a compiled one.
+        self.mtp_forward = functools.partial(model.mtp_forward, logits=False)
 
     @torch.no_grad()
     def draft(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
@@ -88,7 +91,7 @@ class MTPDrafter:
         if root is None:
             out = self.mtp_forward(root_ids[:, None], prev_hidden[:, None],
                                    chain_meta(num_committed, 1, (), max_new=1), committed)
-            root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=out.logits[:, 0])
+            root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=self.model.mtp_logits(out.hidden[:, 0]))
         slot_k = root.k                                             # [B, X, d_h] keys of expanded nodes
         slot_pos = num_committed[:, None].clone()                   # [B, X]
         slot_hidden = root.hidden                                   # [B, X, d]
@@ -123,7 +126,7 @@ class MTPDrafter:
             slot_hidden = torch.cat([slot_hidden, out.hidden], dim=1)
 
             # Children: k per frontier node, scored by cumulative log-probability.
-            logp = torch.log_softmax(out.logits.float(), dim=-1)      # [B, k, V]
+            logp = torch.log_softmax(self.model.mtp_logits(out.hidden).float(), dim=-1)   # [B, k, V]
             child_lp, child_tok = logp.topk(k, dim=-1)               # [B, k, k]
             child_score = (cand_score.gather(1, frontier)[..., None] + child_lp).reshape(B, k * k)
             child_parent = frontier[..., None].expand(B, k, k).reshape(B, k * k)

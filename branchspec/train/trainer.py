@@ -71,8 +71,9 @@ class TrainConfig:
     # After a resume from the compact pack (weights only), Adam's moments are rebuilt over
     # this many batches at learning rate 0 before training goes on.
     reestimate_steps: int = 20
-    # torch.compile the model's forward for training (inductor; graph breaks at the MoE's
-    # data-dependent expert loop). Evaluation and the exported weights are unaffected.
+    # torch.compile the model's forward for training (inductor; compiled, the MoE runs every
+    # expert on every token, weighted by its routing). Evaluation and the exported weights
+    # are unaffected.
     compile: bool = False
 
     def __post_init__(self):
