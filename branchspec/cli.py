@@ -73,7 +73,8 @@ def _generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile)
     if args.compile:
         info = llm.warmup(spec, batch_sizes=(1,))
-        print(f"compiled {info['graphs']} graphs in {info['seconds']:.1f} s", file=sys.stderr)
+        print(f"fast path ready in {info['seconds']:.1f} s ({info['graphs']} graphs compiled, "
+              f"{info['loaded']} loaded from the cache)", file=sys.stderr)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, spec=spec)[0]
     else:
@@ -176,7 +177,8 @@ def _serve(args) -> int:
               max_model_len=args.max_model_len, seed=args.seed, compile=args.compile)
     if args.compile:   # before the port opens: no request waits for a compilation
         info = llm.warmup(spec, batch_sizes=(1,))
-        logging.getLogger("branchspec.serve").info("compiled %d graphs in %.1f s", info["graphs"], info["seconds"])
+        logging.getLogger("branchspec.serve").info("fast path ready in %.1f s (%d graphs compiled, %d loaded)",
+                                                   info["seconds"], info["graphs"], info["loaded"])
     try:
         return run(llm, spec, host=args.host, port=args.port, api_key=args.api_key,
                    max_queued_requests=args.max_queued_requests, model_name=args.served_model_name,

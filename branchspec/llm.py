@@ -127,11 +127,12 @@ class LLM:
         a compiled LLM compiles every graph it needs now rather than mid-request. Batch 1 and
         any batch of 2 or more cover all batch sizes. With `SpecConfig.auto(...)` it also
         measures (or loads) the round-cost calibration, and warms every candidate. Returns
-        {"seconds", "graphs"}; on an eager LLM it only warms caches."""
-        from branchspec.engine.compiled import compilations
+        {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
+        instead}; on an eager LLM it only warms caches."""
+        from branchspec.engine.compiled import compilations, steps_loaded
 
         self.engine.check_spec(spec)
-        t0, graphs0 = time.perf_counter(), compilations()
+        t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
         specs: list[SpecConfig | None] = [None]
         if isinstance(spec, AutoPolicy):
             self.engine.policy_runner(spec, progress=True)
@@ -146,7 +147,8 @@ class LLM:
                 params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
                                         ignore_eos=True, seed=0)
                 self.generate([prompt] * b, params, spec=s)
-        return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0}
+        return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0,
+                "loaded": steps_loaded() - loaded0}
 
     # -- input ------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:
