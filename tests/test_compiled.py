@@ -82,3 +82,22 @@ def test_compile_flag_is_checked():
 
     with pytest.raises(TypeError, match="EngineConfig.compile"):
         EngineConfig(compile="yes")
+
+
+def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt):
+    import os
+    from pathlib import Path
+
+    eager, _, _ = llms
+    folder = Path(os.environ["BRANCHSPEC_CACHE"]) / "compiled"
+    victim = sorted(folder.glob("target_step-nodes1-*.bin"))[0]
+    victim.write_bytes(b"not a compiled step")
+    before, loaded = compilations(), steps_loaded()
+    again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
+    again.warmup(TREE, batch_sizes=(1,))
+    assert (compilations() - before, steps_loaded() - loaded) == (1, 3)
+    assert victim.read_bytes() != b"not a compiled step", "the step was saved again"
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    assert ([o.token_ids for o in again.generate(PROMPTS[:2], params)]
+            == [o.token_ids for o in eager.generate(PROMPTS[:2], params)])
+
