@@ -3,7 +3,7 @@
 Eager PyTorch is the reference; compiling removes the per-op overhead that dominates small
 steps. Compiled code is specialised to the shapes it saw, so every step the engine runs
 must come in a few stable shapes: decode and verify keep their node counts (1 and D), the
-drafter's extend is padded to D nodes, completing-node slots are sized by their bound
+drafter's extend is padded to D + 1 nodes, completing-node slots are sized by their bound
 (`metadata.max_completions`), and committed entries are gathered in whole pages
 (`PagedState.pad_entries`). The sizes that still vary (batch >= 2, entries, the drafter's
 window slots and node count) are marked dynamic and every other size is a constant, so a
@@ -73,8 +73,8 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
     Varying: the batch (dim 0 of every input) and the committed entries of compressed
     layers (a whole page more every page_size entries). For the drafter also the window
     rows (a tree's own slots are appended to the committed window, more at every step)
-    and, from 2 up, the node count: a tree's frontier (topk nodes) and the draft extend (D
-    nodes) then share one graph."""
+    and, from 2 up, the node count: a tree's frontier (topk nodes) and the draft extend
+    (D + 1 nodes) then share one graph."""
     mark = torch._dynamo.maybe_mark_dynamic
     for t in _tensors(args):
         if t.dim() > 0:
