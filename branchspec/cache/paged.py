@@ -263,24 +263,30 @@ class PagedState:
         pos = meta.positions
         bi, ni = self._ring_writes(keep, pos, new_len, self.specs["raw"].ring)
         raw_slots = self._slots("raw", tables["raw"], pos)[bi, ni]
-        ring_writes = {}
+        # Where each compress ratio's rows and entries go: the same for every layer of it.
+        plans = {}
         for r in self.cfg.compressed_ratios:
-            ring_writes[r] = self._ring_writes(keep, pos, new_len, self.specs[f"buf{r}"].ring)
+            b2, n2 = self._ring_writes(keep, pos, new_len, self.specs[f"buf{r}"].ring)
+            plan = meta.pools[r]
+            kept = plan.complete_valid & torch.gather(keep, 1, plan.complete_idx)   # [B, K]
+            kb, kk = kept.nonzero(as_tuple=True)
+            entry = plan.entry_index.clamp(min=0)
+            slots = {"buf": self._slots(f"buf{r}", tables[f"buf{r}"], pos)[b2, n2],
+                     "ent": self._slots(f"ent{r}", tables[f"ent{r}"], entry)[kb, kk]}
+            if r == 4:
+                slots["ibuf"] = self._slots("ibuf", tables["ibuf"], pos)[b2, n2]
+                slots["ikey"] = self._slots("ikey", tables["ikey"], entry)[kb, kk]
+            plans[r] = (b2, n2, kb, kk, slots)
         for l, (r, s) in enumerate(zip(self.cfg.compress_ratios, scratch)):
             self._write("raw", l, raw_slots, s.k[bi, ni])
             if r == 0:
                 continue
-            b2, n2 = ring_writes[r]
-            self._write(f"buf{r}", l, self._slots(f"buf{r}", tables[f"buf{r}"], pos)[b2, n2], s.rows[b2, n2])
-            plan = meta.pools[r]
-            kept = plan.complete_valid & torch.gather(keep, 1, plan.complete_idx)   # [B, K]
-            kb, kk = kept.nonzero(as_tuple=True)
-            ent_slots = self._slots(f"ent{r}", tables[f"ent{r}"], plan.entry_index.clamp(min=0))[kb, kk]
-            self._write(f"ent{r}", l, ent_slots, s.entries[kb, kk])
+            b2, n2, kb, kk, slots = plans[r]
+            self._write(f"buf{r}", l, slots["buf"], s.rows[b2, n2])
+            self._write(f"ent{r}", l, slots["ent"], s.entries[kb, kk])
             if r == 4:
-                self._write("ibuf", l, self._slots("ibuf", tables["ibuf"], pos)[b2, n2], s.index_rows[b2, n2])
-                ikey_slots = self._slots("ikey", tables["ikey"], plan.entry_index.clamp(min=0))[kb, kk]
-                self._write("ikey", l, ikey_slots, s.index_keys[kb, kk])
+                self._write("ibuf", l, slots["ibuf"], s.index_rows[b2, n2])
+                self._write("ikey", l, slots["ikey"], s.index_keys[kb, kk])
 
     def commit_mtp(self, seq_ids: list[int], meta: ForwardMeta, scratch: LayerScratch,
                    keep: torch.Tensor) -> None:
