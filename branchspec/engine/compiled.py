@@ -40,19 +40,11 @@ def _map_batch(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def _tensors(obj: Any):
-    """Every tensor inside obj (dataclasses, dicts, lists, tuples)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor with a batch dimension inside obj (what `_map_batch` visits)."""
+    found: list[torch.Tensor] = []
+    _map_batch(obj, lambda t: found.append(t) or t)
+    return found
 
 
 def _states(obj: Any):
@@ -77,8 +69,7 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
     (D + 1 nodes) then share one graph."""
     mark = torch._dynamo.maybe_mark_dynamic
     for t in _tensors(args):
-        if t.dim() > 0:
-            mark(t, 0)
+        mark(t, 0)
     for st in _states(args):
         for t in (st.entries, st.entries_valid, st.index_keys):
             if t is not None:

@@ -174,7 +174,10 @@ class SwiGLU(nn.Module):
         return [self.w1.weight, self.w3.weight]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.input_proj(x)
+        return self.down(*self.input_proj(x))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The rest of the block, from the input's w1 (gate) and w3 (up) projections."""
         return F.linear(swiglu_hidden(gate, up, self.limit), self.w2.weight)
 
 
@@ -316,8 +319,7 @@ class MoE(nn.Module):
             weights, indices = self.gate.route(logits, ids)
             y = self.experts(flat, indices, weights)
         if self.shared_experts is not None:
-            sh = self.shared_experts
-            y = y + F.linear(swiglu_hidden(shared[0], shared[1], sh.limit), sh.w2.weight)
+            y = y + self.shared_experts.down(*shared)
         return y.view(x.shape)
 
 
