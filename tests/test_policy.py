@@ -9,7 +9,8 @@ import torch
 
 from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates, spec_label
 from branchspec.llm import LLM
-from branchspec.spec.policy import AcceptanceStats, CostModel, SpecPolicyRunner, calibration_batches, load_or_calibrate
+from branchspec.spec.policy import (NEW_REQUEST, AcceptanceStats, CostModel, SpecPolicyRunner, calibration_batches,
+                                    load_or_calibrate)
 from conftest import markov_batches
 from test_spec_decode import chi2_sf
 
@@ -174,16 +175,32 @@ def test_observe_counts_tries_and_hits_by_depth_and_rank():
     children = torch.tensor([[[7, 8], [4, 5], [-1, -1], [-1, -1], [-1, -1]]])
     targets = torch.tensor([[8, 6, -1, -1, -1]])
     stats.observe([3], children, targets)
-    t, h = stats.tries[3], stats.hits[3]
+    h, t = stats.counts(3)
     assert t[0, :2].tolist() == [[1, 1], [0, 0]] and h[0, :2].tolist() == [[0, 1], [0, 0]]   # main line
     assert t[1, :2].tolist() == [[0, 0], [1, 1]] and h[1, :2].tolist() == [[0, 0], [0, 0]]   # off it
     # A chain path stays on the main line; a node the drafter did not expand is not a try.
     stats.observe([3], torch.tensor([[[7, -1], [9, -1], [-1, -1]]]), torch.tensor([[7, 9, 2]]))
-    t, h = stats.tries[3], stats.hits[3]
+    h, t = stats.counts(3)
     assert t[0, :2].tolist() == [[1.5, 0.5], [1.0, 0.0]] and h[0, :2].tolist() == [[1.0, 0.5], [1.0, 0.0]]
     assert t[1, 1].tolist() == [0.5, 0.5]
     stats.forget(3)
-    assert 3 not in stats.tries
+    assert stats.counts(3) is None
+
+
+def test_a_forgotten_requests_counts_do_not_reach_a_new_one():
+    """Per-request counts live in rows of one array; a finished request's row is cleared
+    and reused, and the array grows as more requests run at once."""
+    stats = AcceptanceStats(AutoPolicy(candidates=(SpecConfig.chain(3),)))
+    ids = list(range(10, 15))
+    stats.observe(ids, torch.tensor([[[7], [8], [-1]]] * 5), torch.tensor([[7, 8, 1]] * 5))
+    assert all(stats.counts(i)[0][0, :2, 0].tolist() == [1.0, 1.0] for i in ids)
+    stats.forget(12)
+    stats.observe([99], torch.tensor([[[7], [8], [-1]]]), torch.tensor([[5, -1, -1]]))
+    h, t = stats.counts(99)
+    assert h[0, :2, 0].tolist() == [0.0, 0.0] and t[0, :2, 0].tolist() == [1.0, 0.0]
+    assert stats.counts(12) is None and stats.counts(11)[0][0, 0, 0] == 1.0
+    fresh = stats.acceptance([12])          # unknown again: the engine-wide estimate
+    assert np.array_equal(fresh, stats.acceptance([NEW_REQUEST]))
 
 
 def chain_outcome(accepted: int, depth: int = 2):
@@ -268,6 +285,8 @@ def test_cost_model_learns_a_measured_round_overhead():
     assert costs.round_seconds(tree, 8) == pytest.approx(costs.predict(tree, 8) + 0.004, rel=0.01)
     assert costs.round_seconds(None, 8) == pytest.approx(costs.predict(None, 8))
     assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64))
+    both = costs.round_seconds_of((chain, tree, None), 8)
+    assert both.tolist() == [costs.round_seconds(s, 8) for s in (chain, tree, None)]
     # A candidate's first round pays one-time costs and is not counted; after it, the
     # median of its rounds: one slow round among them does not move it.
     costs.observe(tree, 8, costs.predict(tree, 8) + 0.050)
@@ -293,18 +312,41 @@ def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():
 
 
 def test_a_policy_that_never_speculates_never_runs_the_drafter(trained_ckpt, prompts, params):
-    """With the choice between plain decoding and speculation, the drafter's prefill is
+    """When the engine-wide statistics say plain decoding wins, the drafter's prefill is
     deferred: plain rounds alone never pay for it."""
     llm = LLM(trained_ckpt, dtype="float64", max_batch_size=8)
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     policy = SpecConfig.auto()
-    force_cycle(llm, policy, order=(None,))
+    runner = force_cycle(llm, policy, order=(None,))
+    runner.stats.global_hits[:] = 0.0          # drafts are never accepted
     calls = []
     mtp = llm.engine.model.mtp_forward
     llm.engine.model.mtp_forward = lambda *a, **k: calls.append(1) or mtp(*a, **k)
     outs = llm.generate(prompts, params, spec=policy)
     assert [o.token_ids for o in outs] == plain and calls == []
     assert llm.last_stats.spec_choices == {"none": llm.last_stats.num_steps}
+
+
+def test_the_drafter_is_prefilled_with_the_target_when_speculation_is_expected(trained_ckpt, prompts):
+    """With the optimistic starting statistics the policy expects to speculate, so the
+    prompts go through the drafter at prefill (as with a fixed configuration) and the first
+    round has nothing to catch up; with statistics that say drafts fail, they wait."""
+    from branchspec.engine.engine import Engine
+    from branchspec.model.weights import load_checkpoint
+
+    engine = Engine(load_checkpoint(trained_ckpt, "float64"), EngineConfig(max_batch_size=2))
+    policy = SpecConfig.auto()
+    runner = engine.policy_runner(policy)
+    assert runner.expects_speculation(2)
+    seq = engine.add_request(prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine._admit(policy)
+    assert not seq.drafter_lag
+
+    runner.stats.global_hits[:] = 0.0
+    assert not runner.expects_speculation(2)
+    late = engine.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine._admit(policy)
+    assert len(late.drafter_lag) == len(prompts[3])
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
@@ -377,7 +419,7 @@ def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
     runner = SpecPolicyRunner(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
     rates = {"chain D=3": 100.0, "chain D=4": 101.0}
     runner.stats.expected_accept = lambda ids: np.ones((len(ids), 2))
-    runner.costs.round_seconds = lambda spec, b: 1.0 / rates[spec_label(spec)]
+    runner.costs.round_seconds_of = lambda specs, b: np.array([1.0 / rates[spec_label(s)] for s in specs])
     first = runner.choose([1])
     assert first == chain4
     rates["chain D=3"] = 102.0                        # better by 1%, inside the margin

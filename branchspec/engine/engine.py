@@ -178,9 +178,12 @@ class Engine:
         if not admitted:
             return []
         if isinstance(spec, AutoPolicy):
-            # A policy that may decode plainly defers the drafter's prefill: each request's
-            # prompt joins its drafter lag, fed only when a speculative round needs it.
-            defer = None in spec.candidates and bool(spec.speculative)
+            # The drafter's prefill runs with the target's, as a fixed configuration's does,
+            # unless the policy expects plain decoding to win at this batch size: then each
+            # prompt joins its request's drafter lag, fed only if a speculative round comes.
+            batch = len(self.scheduler.running)
+            defer = None in spec.candidates and bool(spec.speculative) and \
+                not self.policy_runner(spec).expects_speculation(batch)
             logits = self.runner.prefill(admitted, with_mtp=bool(spec.speculative) and not defer, lag_mtp=defer)
         else:
             logits = self.runner.prefill(admitted, with_mtp=spec is not None)

@@ -36,6 +36,7 @@ the target model's. The decision is a few small numpy operations per round.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -52,6 +53,8 @@ from branchspec.config import AutoPolicy, SpecConfig, spec_label
 
 # Depth/rank grid of the acceptance statistics.
 MAX_DEPTH = 16
+# A request id no request has: its statistics are the engine-wide ones.
+NEW_REQUEST = -1
 # Before anything is observed: the rank-1 child is accepted 60% of the time, each lower
 # rank half as often. Optimistic on purpose (deep drafts get tried, then measured).
 PRIOR_RANK1 = 0.6
@@ -94,8 +97,11 @@ class AcceptanceStats:
         # Engine-wide counts start as 4 pseudo-observations of the prior.
         self.prior_hits, self.prior_tries = _prior(self.R) * 4.0, np.full(shape, 4.0)
         self.global_hits, self.global_tries = self.prior_hits.copy(), self.prior_tries.copy()
-        self.hits: dict[int, np.ndarray] = {}
-        self.tries: dict[int, np.ndarray] = {}
+        # Per-request counts, one row per request (row 0 stays zero: a request with none yet).
+        self._rows: dict[int, int] = {}
+        self._free: list[int] = []
+        self._hits = np.zeros((1, *shape))
+        self._tries = np.zeros((1, *shape))
         self.specs = policy.speculative
         # Every node any candidate could verify, once: [N, MAX_DEPTH * R] edge matrix, and
         # which candidates may use each node [C, N].
@@ -124,26 +130,47 @@ class AcceptanceStats:
         engine-wide counts drift back towards the optimistic prior: a few unlucky rounds
         do not rule speculation out for good, and after a run of plain rounds a
         speculative one is tried again (the text, or the batch, may have changed)."""
-        for sid in seq_ids:
-            if sid in self.hits:
-                self.hits[sid] *= self.policy.decay
-                self.tries[sid] *= self.policy.decay
+        rows = self._lookup(seq_ids)
+        self._hits[rows] *= self.policy.decay
+        self._tries[rows] *= self.policy.decay
         self.global_hits = (1 - rate) * self.global_hits + rate * self.prior_hits
         self.global_tries = (1 - rate) * self.global_tries + rate * self.prior_tries
 
+    def _lookup(self, seq_ids: list[int]) -> np.ndarray:
+        """Each request's row, 0 (all zero) for one without counts."""
+        return np.fromiter((self._rows.get(s, 0) for s in seq_ids), dtype=np.intp, count=len(seq_ids))
+
+    def _rows_for(self, seq_ids: list[int]) -> np.ndarray:
+        """Each request's row, a fresh zero one for a request without counts."""
+        for sid in seq_ids:
+            if sid not in self._rows:
+                if not self._free:
+                    n = len(self._hits)
+                    self._hits = np.concatenate([self._hits, np.zeros_like(self._hits)])
+                    self._tries = np.concatenate([self._tries, np.zeros_like(self._tries)])
+                    self._free = list(range(2 * n - 1, n - 1, -1))
+                self._rows[sid] = self._free.pop()
+        return self._lookup(seq_ids)
+
+    def counts(self, seq_id: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A request's own (hits, tries) [2, MAX_DEPTH, R], None before its first round."""
+        row = self._rows.get(seq_id)
+        return None if row is None else (self._hits[row], self._tries[row])
+
     def forget(self, seq_id: int) -> None:
-        self.hits.pop(seq_id, None)
-        self.tries.pop(seq_id, None)
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._hits[row] = 0.0
+            self._tries[row] = 0.0
+            self._free.append(row)
 
     def acceptance(self, seq_ids: list[int]) -> np.ndarray:
         """[B, 2, MAX_DEPTH, R] estimated P(rank-r child at depth d accepted | parent accepted),
         for parents on the drafter's main line and off it."""
         w = self.policy.prior_weight
         g = self.global_hits / self.global_tries
-        zero = np.zeros_like(g)
-        h = np.stack([self.hits.get(s, zero) for s in seq_ids])
-        t = np.stack([self.tries.get(s, zero) for s in seq_ids])
-        return np.clip((h + w * g) / (t + w), 1e-4, 1.0)
+        rows = self._lookup(seq_ids)
+        return np.clip((self._hits[rows] + w * g) / (self._tries[rows] + w), 1e-4, 1.0)
 
     def expected_accept(self, seq_ids: list[int]) -> np.ndarray:
         """[B, C] expected tokens one round of each speculative candidate emits (bonus
@@ -179,16 +206,11 @@ class AcceptanceStats:
         tries = np.stack([valid & on, valid & ~on], axis=1)                # [B, 2, D, k]
         hits = np.stack([hit & on, hit & ~on], axis=1)
         decay = self.policy.decay
-        for b, sid in enumerate(seq_ids):
-            h, t = self.hits.get(sid), self.tries.get(sid)
-            if h is None:
-                h = self.hits[sid] = np.zeros_like(self.global_hits)
-                t = self.tries[sid] = np.zeros_like(self.global_tries)
-            else:
-                h *= decay
-                t *= decay
-            h[:, :D, :k] += hits[b]
-            t[:, :D, :k] += tries[b]
+        rows = self._rows_for(seq_ids)                                      # distinct requests
+        self._hits[rows] *= decay
+        self._tries[rows] *= decay
+        self._hits[rows, :, :D, :k] += hits
+        self._tries[rows, :, :D, :k] += tries
         gd = decay ** (1.0 / max(1, len(seq_ids)))     # engine-wide: about one decay per request-round
         self.global_hits *= gd
         self.global_tries *= gd
@@ -262,11 +284,22 @@ class CostModel:
         pays one-time costs: allocation, metadata for a new shape), and until it has one
         counted round it is given the least overhead measured for its kind (speculative or
         plain), so it gets tried rather than inheriting another shape's overhead."""
-        key = (spec_label(spec), self.bucket(batch))
-        extra = self.overhead(key)
-        if extra is None:
-            extra = self._least(spec is not None, key[1])
-        return self.predict(spec, batch) + extra
+        return float(self.round_seconds_of((spec,), batch)[0])
+
+    def round_seconds_of(self, specs: tuple[SpecConfig | None, ...], batch: int) -> np.ndarray:
+        """`round_seconds` of several candidates: [len(specs)]."""
+        bucket = self.bucket(batch)
+        least: dict[bool, float] = {}
+        out = np.empty(len(specs))
+        for i, spec in enumerate(specs):
+            extra = self.overhead((_label(spec), bucket))
+            if extra is None:
+                speculative = spec is not None
+                if speculative not in least:
+                    least[speculative] = self._least(speculative, bucket)
+                extra = least[speculative]
+            out[i] = self.predict(spec, batch) + extra
+        return out
 
     def overhead(self, key: tuple[str, int]) -> float | None:
         """Median of the counted overheads of (label, bucket); None before any."""
@@ -285,7 +318,7 @@ class CostModel:
 
     def observe(self, spec: SpecConfig | None, batch: int, seconds: float) -> None:
         """A measured round: its overhead beyond the predicted forwards joins its history."""
-        key = (spec_label(spec), self.bucket(batch))
+        key = (_label(spec), self.bucket(batch))
         if key not in self._warm:          # its first round: one-time costs, not counted
             self._warm.add(key)
             return
@@ -427,6 +460,11 @@ REDECIDE_PER_REQUESTS = 8
 SWITCH_MARGIN = 0.03
 
 
+@functools.lru_cache(maxsize=None)
+def _label(spec: SpecConfig | None) -> str:
+    return spec_label(spec)
+
+
 def _kind(spec: SpecConfig) -> str:
     return "chain" if spec.is_chain else "tree"
 
@@ -465,44 +503,62 @@ class SpecPolicyRunner:
         else:
             best = self._decide(seq_ids, lag, remaining)
             self._last_batch, self._rounds_since = batch, 0
-        self.counts[spec_label(best)] += 1
+        self.counts[_label(best)] += 1
         self.decide_seconds += time.perf_counter() - t0
         return best
+
+    def expects_speculation(self, batch: int) -> bool:
+        """Would a round over `batch` requests the engine knows nothing about yet speculate?
+        Judged from the engine-wide statistics alone, with no catch-up to pay: the engine
+        asks at admission whether to feed the drafter the prompts now, with the target's
+        prefill, or only if a speculative round comes."""
+        if not self.stats.specs:
+            return False
+        B = max(1, batch)
+        plain = B / self.costs.round_seconds(None, B) if None in self.policy.candidates else 0.0
+        accept = self.stats.expected_accept([NEW_REQUEST])[0]                # [C]
+        for spec, raw in zip(self.stats.specs, accept):
+            tokens = B * (1.0 + self.calibration(spec) * (float(raw) - 1.0))
+            if tokens / self.costs.round_seconds(spec, B) > plain:
+                return True
+        return False
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
                 remaining: list[int] | None = None) -> SpecConfig | None:
         B = len(seq_ids)
-        estimate: dict[str, float] = {}
-        predicted: dict[SpecConfig, float] = {}
-        options: list[tuple[SpecConfig | None, float]] = []
-        if None in self.policy.candidates:
-            options.append((None, B / self.costs.round_seconds(None, B)))
-        # Speculating now first feeds the drafter what it has not followed (a deferred
-        # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
-        catch_up = self.costs.catch_up_seconds(B, max(lag)) if lag else 0.0
-        left = float(np.mean(remaining)) if remaining else 0.0
-        if self.stats.specs:
+        specs = self.stats.specs
+        options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
+        rates = np.empty(len(options))
+        if options[0] is None:
+            rates[0] = B / self.costs.round_seconds(None, B)
+        emitted = None
+        if specs:
             per_request = self.stats.expected_accept(seq_ids)                 # [B, C]
             if remaining:     # a request near its budget cannot emit more than it has left
                 per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
-            emitted = per_request.sum(axis=0)                                # [C]
-            for spec, raw in zip(self.stats.specs, emitted):
-                predicted[spec] = float(raw)          # the model's own estimate, to calibrate against
-                tokens = B + self.calibration(spec) * (float(raw) - B)
-                seconds = self.costs.round_seconds(spec, B)
-                if catch_up:
-                    seconds += catch_up / max(1.0, left * B / tokens)
-                options.append((spec, tokens / seconds))
-        for spec, rate in options:
-            estimate[spec_label(spec)] = rate
-        best, best_rate = max(options, key=lambda o: o[1])
-        standing = estimate.get(spec_label(self.last_choice)) if self._last_batch is not None else None
+            emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
+            tokens = B + self._calibrations() * (emitted - B)
+            seconds = self.costs.round_seconds_of(specs, B)
+            # Speculating now first feeds the drafter what it has not followed (a deferred
+            # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
+            if lag and max(lag) > 0:
+                left = float(np.mean(remaining)) if remaining else 0.0
+                seconds = seconds + self.costs.catch_up_seconds(B, max(lag)) / np.maximum(1.0, left * B / tokens)
+            rates[len(options) - len(specs):] = tokens / seconds
+        estimate = {_label(spec): float(rate) for spec, rate in zip(options, rates)}
+        i = int(np.argmax(rates))
+        best, best_rate = options[i], rates[i]
+        standing = estimate.get(_label(self.last_choice)) if self._last_batch is not None else None
         if standing is not None and self.last_choice in self.policy.candidates \
                 and best_rate < (1 + SWITCH_MARGIN) * standing:
             best = self.last_choice
         self.last_choice, self.last_estimate = best, estimate
-        self._predicted_per_request = None if best is None else predicted[best] / B
+        self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
         return best
+
+    def _calibrations(self) -> np.ndarray:
+        """[C] `calibration` of every speculative candidate."""
+        return np.array([self.calibration(spec) for spec in self.stats.specs])
 
     def observe(self, spec: SpecConfig | None, seq_ids: list[int], seconds: float,
                 children: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -528,7 +584,7 @@ class SpecPolicyRunner:
         tokens each). It absorbs what the positional model misses: EAGLE-2 picks each
         round's tree by that round's draft confidence, and acceptance at one depth is not
         independent of the next."""
-        for key in (spec_label(spec), _kind(spec)):
+        for key in (_label(spec), _kind(spec)):
             if key in self.accept_sums:
                 seen, predicted = self.accept_sums[key]
                 return seen / predicted
@@ -537,7 +593,7 @@ class SpecPolicyRunner:
     def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int,
                    keep: float = 0.9) -> None:
         drafted_pred, drafted_seen = max(predicted - batch, 0.0), max(observed - batch, 0.0)
-        for key in (spec_label(spec), _kind(spec)):
+        for key in (_label(spec), _kind(spec)):
             seen, pred = self.accept_sums.get(key, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
             self.accept_sums[key] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
 
