@@ -248,15 +248,36 @@ def test_policy_row_joins_the_study(tiny_ckpt, tmp_path, monkeypatch):
     cfg = StudyConfig(model=tiny_ckpt, workloads=("alpha",), budgets=(4,), batch_sizes=(1, 2),
                       tree_shapes=(TreeShape(2, 2),), max_tokens=6, num_prompts=2, dtype="float64", threads=1,
                       out_dir=tmp_path / "out", prompts_override=prompts, progress=False,
-                      policies=("fixed", "auto"))
+                      policies=("fixed", "auto"), policy_repeats=2)
     result = run_study(cfg)
     auto = [c for c in result.cells if c.kind == "auto"]
-    assert len(result.cells) == cfg.num_cells() == 2 * 4 and len(auto) == 2
+    assert len(auto) == 2
     for cell in auto:
         assert cell.matches_baseline is True and cell.tokens == cell.batch_size * 6
         assert sum(cell.extra["choices"].values()) == cell.num_rounds
+    # Side by side: plain decoding, the best fixed configuration (unless that is plain
+    # decoding) and the policy, twice each in turn; the goals are judged on their medians.
+    from branchspec.bench.analysis import policy_table
+    rows = {r.batch_size: r for r in policy_table(result.cells)}
+    for b in (1, 2):
+        same = [c for c in result.cells if c.batch_size == b]
+        fixed = [c for c in same if c.kind in ("chain", "tree", "baseline")]
+        best = max(fixed, key=lambda c: c.throughput_tok_s)
+        side = [c for c in same if c.kind == "recheck"]
+        roles = [c.extra["role"] for c in side]
+        expected = ["baseline", "auto"] if best.kind == "baseline" else ["baseline", "best_fixed", "auto"]
+        assert roles == expected * 2 and [c.extra["repeat"] for c in side] == sorted([0, 1] * len(expected))
+        if best.kind != "baseline":
+            assert all((c.D, c.topk) == (best.D, best.topk) for c in side if c.extra["role"] == "best_fixed")
+        runs = {role: sorted(c.throughput_tok_s for c in side if c.extra["role"] == role) for role in expected}
+        other = runs.get("best_fixed", runs["baseline"])
+        assert rows[b].vs_best_fixed == pytest.approx(sum(runs["auto"]) / sum(other))     # medians of two
+        assert rows[b].sweep_vs_best_fixed == pytest.approx(rows[b].auto.throughput_tok_s / best.throughput_tok_s)
+    assert len(result.cells) <= cfg.num_cells() == 2 * (4 + 3 * 2)
     text = (result.out_dir / "report.md").read_text()
     assert tuple(POLICY_HEADERS) in _table_headers(text)
-    assert result.summary["policy"]["cells"] == 2
+    assert result.summary["policy"]["cells"] == 2 and result.summary["policy"]["judged"] == "side by side"
+    with pytest.raises(ValueError, match="policy_repeats"):
+        StudyConfig(model=tiny_ckpt, policies=("fixed", "auto"), policy_repeats=-1)
     with pytest.raises(ValueError, match="policies"):
         StudyConfig(model=tiny_ckpt, policies=("best",))

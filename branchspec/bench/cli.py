@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", type=_name_list, default=None, metavar="P[,P..]",
                    help="fixed (the chain and tree grid) and/or auto (the adaptive policy, SpecConfig.auto); "
                         "default: fixed")
+    p.add_argument("--policy-repeats", type=int, default=3, metavar="N",
+                   help="with fixed,auto: after each (workload, batch size), run plain decoding, the best fixed "
+                        "configuration and the policy again in turn N times and judge the policy on the medians "
+                        "(default: 3; 0: judge on the sweep's single runs)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
@@ -139,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         progress=not args.no_progress,
         plots=not args.no_plots,
         policies=tuple(args.policies) if args.policies else ("fixed",),
+        policy_repeats=args.policy_repeats,
     )
 
 

@@ -264,9 +264,11 @@ class CostModel:
     def _compose(self, spec: SpecConfig | None, batch: int) -> float:
         if spec is None:
             return self._at(self.target, batch, 1)
-        draft = self._at(self.mtp, batch, 1) + (spec.num_steps - 1) * self._at(self.mtp, batch, spec.topk)
+        # The root's drafter slot comes with the previous round's draft extend, which runs
+        # D + 1 nodes (the path and the next root): one drafter forward per later step.
+        draft = (spec.num_steps - 1) * self._at(self.mtp, batch, spec.topk)
         verify = self._at(self.target, batch, spec.num_draft_tokens)
-        extend = self._at(self.mtp, batch, spec.num_draft_tokens)
+        extend = self._at(self.mtp, batch, spec.num_draft_tokens + 1)
         return draft + verify + extend
 
     def catch_up_seconds(self, batch: int, lag: int) -> float:
@@ -448,13 +450,19 @@ def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> Cos
 
 # -- the policy ----------------------------------------------------------------------------
 
-# Pseudo-tokens both sides of the accept calibration start with, so one unlucky round does
-# not condemn a candidate.
+# Pseudo-tokens both sides of a kind's (chain, tree) accept calibration start with, so one
+# unlucky round does not condemn it.
 CALIBRATION_PRIOR = 4.0
+# A candidate's own calibration is shrunk towards its kind's with this many predicted
+# tokens' weight, and its evidence fades by LABEL_FADE each speculative round whichever
+# candidate ran: a few unlucky rounds of one shape, which is then no longer chosen and so
+# never measured again, cannot keep it below its kind for good.
+LABEL_WEIGHT = 8.0
+LABEL_FADE = 0.98
 # The estimates are recomputed every this many rounds while the batch stays the same, or
 # every batch / REDECIDE_PER_REQUESTS rounds if that is more: a large batch's estimate
 # moves slowly and costs more to recompute.
-REDECIDE_EVERY = 2
+REDECIDE_EVERY = 4
 REDECIDE_PER_REQUESTS = 8
 # A better estimate must beat the standing choice by this much to replace it.
 SWITCH_MARGIN = 0.03
@@ -463,6 +471,9 @@ SWITCH_MARGIN = 0.03
 @functools.lru_cache(maxsize=None)
 def _label(spec: SpecConfig | None) -> str:
     return spec_label(spec)
+
+
+KINDS = ("chain", "tree")
 
 
 def _kind(spec: SpecConfig) -> str:
@@ -579,30 +590,39 @@ class SpecPolicyRunner:
         self.decide_seconds += time.perf_counter() - t0
 
     def calibration(self, spec: SpecConfig) -> float:
-        """Observed / predicted drafted tokens accepted, for this candidate (else for its
-        kind, chain or tree): a ratio of decayed sums that start level (CALIBRATION_PRIOR
-        tokens each). It absorbs what the positional model misses: EAGLE-2 picks each
-        round's tree by that round's draft confidence, and acceptance at one depth is not
-        independent of the next."""
-        for key in (_label(spec), _kind(spec)):
-            if key in self.accept_sums:
-                seen, predicted = self.accept_sums[key]
-                return seen / predicted
-        return 1.0
+        """Observed / predicted drafted tokens accepted: the kind's (chain or tree) ratio of
+        decayed sums that start level (CALIBRATION_PRIOR tokens each), refined by this
+        candidate's own evidence (`LABEL_WEIGHT`). It absorbs what the positional model
+        misses: EAGLE-2 picks each round's tree by that round's draft confidence, and
+        acceptance at one depth is not independent of the next."""
+        seen, predicted = self.accept_sums.get(_kind(spec), (1.0, 1.0))
+        level = seen / predicted
+        own = self.accept_sums.get(_label(spec))
+        if own is None:
+            return level
+        return (own[0] + LABEL_WEIGHT * level) / (own[1] + LABEL_WEIGHT)
 
     def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int,
                    keep: float = 0.9) -> None:
         drafted_pred, drafted_seen = max(predicted - batch, 0.0), max(observed - batch, 0.0)
-        for key in (_label(spec), _kind(spec)):
-            seen, pred = self.accept_sums.get(key, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
-            self.accept_sums[key] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+        for key, (seen, pred) in self.accept_sums.items():
+            if key not in KINDS:
+                self.accept_sums[key] = (LABEL_FADE * seen, LABEL_FADE * pred)
+        label, kind = _label(spec), _kind(spec)
+        seen, pred = self.accept_sums.get(label, (0.0, 0.0))
+        self.accept_sums[label] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+        seen, pred = self.accept_sums.get(kind, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
+        self.accept_sums[kind] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
 
     def _relax_calibration(self, keep: float = 0.97) -> None:
-        """A plain round: every calibration drifts back towards level, so one that a few
-        rounds set low is checked again later."""
+        """A plain round: every calibration drifts back towards level (a candidate's own
+        towards its kind's), so one that a few rounds set low is checked again later."""
         for key, (seen, predicted) in self.accept_sums.items():
-            self.accept_sums[key] = (keep * seen + (1 - keep) * CALIBRATION_PRIOR,
-                                     keep * predicted + (1 - keep) * CALIBRATION_PRIOR)
+            if key in KINDS:
+                self.accept_sums[key] = (keep * seen + (1 - keep) * CALIBRATION_PRIOR,
+                                         keep * predicted + (1 - keep) * CALIBRATION_PRIOR)
+            else:
+                self.accept_sums[key] = (keep * seen, keep * predicted)
 
     def forget(self, seq_id: int) -> None:
         self.stats.forget(seq_id)
