@@ -244,12 +244,12 @@ def test_policy_speculates_when_drafts_are_cheap_and_accepted_and_not_otherwise(
 
 
 def test_unlucky_rounds_do_not_rule_speculation_out_for_good():
-    """Two rounds with nothing accepted make plain decoding look better; plain rounds then
-    let that evidence fade, so speculation is tried again before long."""
+    """Three rounds with nothing accepted make plain decoding look better; plain rounds
+    then let that evidence fade, so speculation is tried again before long."""
     chain4 = SpecConfig.chain(4)
     runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     assert runner.choose([5]) == chain4                       # the optimistic prior
-    for _ in range(2):
+    for _ in range(3):
         runner.observe(chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
     runner._last_batch = None
     assert runner.choose([5]) is None
@@ -271,6 +271,25 @@ def test_unlucky_rounds_do_not_rule_speculation_out_for_good():
     for _ in range(100):
         runner.observe(None, [5], 0.010)
     assert runner.calibration(chain4) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_shape_is_judged_by_its_kind_until_its_own_evidence_adds_up():
+    """One unlucky round of a tree shape lowers its accept calibration only part of the
+    way (shrunk towards the trees' as a whole); that evidence fades while other shapes run;
+    many unlucky rounds do condemn it."""
+    tree_a, tree_b = SpecConfig(3, 2, 6), SpecConfig(2, 3, 6)
+    runner = SpecPolicyRunner(AutoPolicy(candidates=(tree_a, tree_b)), flat_costs(10.0, 0.5))
+    for _ in range(20):
+        runner._calibrate(tree_b, observed=4.0, predicted=4.0, batch=1)     # as predicted
+    runner._calibrate(tree_a, observed=1.0, predicted=4.0, batch=1)         # nothing accepted
+    assert runner.calibration(tree_b) > 0.85
+    assert 0.6 < runner.calibration(tree_a) < 0.8
+    for _ in range(100):
+        runner._calibrate(tree_b, observed=4.0, predicted=4.0, batch=1)
+    assert runner.calibration(tree_a) == pytest.approx(runner.calibration(tree_b), abs=0.05)
+    for _ in range(30):
+        runner._calibrate(tree_a, observed=1.0, predicted=4.0, batch=1)
+    assert runner.calibration(tree_a) < 0.3
 
 
 def test_cost_model_learns_a_measured_round_overhead():

@@ -450,15 +450,17 @@ def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> Cos
 
 # -- the policy ----------------------------------------------------------------------------
 
-# Pseudo-tokens both sides of a kind's (chain, tree) accept calibration start with, so one
-# unlucky round does not condemn it.
-CALIBRATION_PRIOR = 4.0
+# Pseudo-tokens both sides of a kind's (chain, tree) accept calibration start with, so a
+# few unlucky rounds do not condemn it.
+CALIBRATION_PRIOR = 16.0
 # A candidate's own calibration is shrunk towards its kind's with this many predicted
-# tokens' weight, and its evidence fades by LABEL_FADE each speculative round whichever
-# candidate ran: a few unlucky rounds of one shape, which is then no longer chosen and so
-# never measured again, cannot keep it below its kind for good.
+# tokens' weight. In every speculative round, the evidence of the shapes and of the kind
+# that did not run fades by CALIBRATION_FADE (a kind's back towards level): the rounds a
+# policy runs are the ones whose estimates were high, partly by chance, so what they
+# measure is biased low, and a shape or kind set low that way, no longer chosen and so
+# never measured again, would otherwise stay low for good.
 LABEL_WEIGHT = 8.0
-LABEL_FADE = 0.98
+CALIBRATION_FADE = 0.98
 # The estimates are recomputed every this many rounds while the batch stays the same, or
 # every batch / REDECIDE_PER_REQUESTS rounds if that is more: a large batch's estimate
 # moves slowly and costs more to recompute.
@@ -605,19 +607,24 @@ class SpecPolicyRunner:
     def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int,
                    keep: float = 0.9) -> None:
         drafted_pred, drafted_seen = max(predicted - batch, 0.0), max(observed - batch, 0.0)
-        for key, (seen, pred) in self.accept_sums.items():
-            if key not in KINDS:
-                self.accept_sums[key] = (LABEL_FADE * seen, LABEL_FADE * pred)
         label, kind = _label(spec), _kind(spec)
+        self._fade_calibration(CALIBRATION_FADE, skip=(label, kind))
         seen, pred = self.accept_sums.get(label, (0.0, 0.0))
         self.accept_sums[label] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
         seen, pred = self.accept_sums.get(kind, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
         self.accept_sums[kind] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
 
-    def _relax_calibration(self, keep: float = 0.97) -> None:
+    def _relax_calibration(self) -> None:
         """A plain round: every calibration drifts back towards level (a candidate's own
         towards its kind's), so one that a few rounds set low is checked again later."""
+        self._fade_calibration(0.97)
+
+    def _fade_calibration(self, keep: float, skip: tuple[str, ...] = ()) -> None:
+        """Each kind's sums drift towards level by 1 - keep, and each shape's own evidence
+        fades by `keep`; those named in `skip` (the ones that just ran) excepted."""
         for key, (seen, predicted) in self.accept_sums.items():
+            if key in skip:
+                continue
             if key in KINDS:
                 self.accept_sums[key] = (keep * seen + (1 - keep) * CALIBRATION_PRIOR,
                                          keep * predicted + (1 - keep) * CALIBRATION_PRIOR)
