@@ -138,6 +138,10 @@ def test_quick_preset_and_explicit_flags(tiny_ckpt):
     assert [s.topk for s in quick.specs_at(6)] == [1, 2, 3]   # chain + 2 trees
     full = cli.config_from_args(parser.parse_args(["--workloads", "gsm8k", "--max-tokens", "16", *model]))
     assert full.budgets == (5, 6, 7, 8) and full.batch_sizes == (1, 4, 16, 64) and full.max_tokens == 16
+    assert full.policy_repeats == 3 and full.rechecks == 0          # fixed only: nothing to recheck
+    both = cli.config_from_args(parser.parse_args(["--workloads", "gsm8k", "--policies", "fixed,auto",
+                                                   "--policy-repeats", "1", *model]))
+    assert both.rechecks == 1
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -147,6 +151,7 @@ def test_quick_preset_and_explicit_flags(tiny_ckpt):
     (["--tree-shapes", "5x2", "--budgets", "5,6"], "tree shape 5x2 (num_steps x topk) is invalid at D=5"),
     (["--tree-shapes", "1x2", "--budgets", "6"], "invalid at D=6"),
     (["--max-tokens", "0"], "max_tokens"),
+    (["--policies", "fixed,auto", "--policy-repeats", "-1"], "policy_repeats"),
     (["--model", "/nonexistent/ckpt"], "has no config.json"),
 ])
 def test_invalid_values_fail_before_any_work(argv, message, tmp_path, capsys):

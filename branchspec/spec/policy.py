@@ -16,8 +16,10 @@ and runs the argmax. Both factors are measured, not assumed:
   q(j, r_j), and a candidate's expected accept length is 1 (the bonus token) plus the sum
   of its best D-1 node values within its depth and branching. That is the tree EAGLE-2's
   selection aims for. What the model still misses (EAGLE-2 picks each round's tree from
-  that round's draft confidence) is measured per candidate as observed / predicted
-  accepted tokens and corrected for. A request's counts start from the engine-wide
+  that round's draft confidence) is measured as observed / predicted accepted tokens, per
+  kind (chain, tree) and refined per candidate, and corrected for; evidence of what did
+  not run fades, so a calibration that unlucky rounds set low is tried again. A request's
+  counts start from the engine-wide
   ones (worth `prior_weight` observations), which start from an optimistic prior, so
   depths no round has tried yet get tried. Plain rounds let that evidence fade, so a few
   unlucky rounds do not rule speculation out for good.
@@ -25,13 +27,13 @@ and runs the argmax. Both factors are measured, not assumed:
   tokens per request), measured once on this machine at start-up and cached on disk, then
   composed per candidate (draft steps + verify + draft-extend, or one decode step), plus
   each candidate's per-round overhead learned online from its measured round times.
-* **Catch-up**: under a policy the drafter runs only when a round needs it (its prompt
-  prefill is deferred, plain rounds do not feed it), so speculating after plain rounds
-  first costs one drafter pass over what it missed. That is paid once, so it is spread
-  over the rounds the batch has left.
+* **Catch-up**: plain rounds do not feed the drafter, and the prompts' drafter prefill
+  waits when the engine-wide statistics expect plain decoding to win
+  (`expects_speculation`), so speculating after them first costs one drafter pass over
+  what it missed. That is paid once, so it is spread over the rounds the batch has left.
 
 Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
-the target model's. The decision is a few small numpy operations per round.
+the target model's. The decision is a few small numpy operations every few rounds.
 """
 
 from __future__ import annotations
