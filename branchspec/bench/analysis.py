@@ -228,14 +228,14 @@ class PolicyRow:
             return None
         return self.auto.throughput_tok_s / self.baseline.throughput_tok_s
 
-    def median(self, role: str) -> float | None:
+    def side_median(self, role: str) -> float | None:
         """Median side-by-side throughput of a role; the best fixed configuration's is
         plain decoding's when that was the best."""
         runs = self.side_by_side.get(role) or (self.side_by_side.get("baseline") if role == "best_fixed" else None)
         return median(runs) if runs else None
 
     def _ratio(self, role: str) -> float | None:
-        auto, other = self.median("auto"), self.median(role)
+        auto, other = self.side_median("auto"), self.side_median(role)
         return auto / other if auto is not None and other else None
 
     @property

@@ -119,7 +119,7 @@ def policy_rows(cells: list[CellResult]) -> list[list[str]]:
                                            f"{fixed.shape} D={fixed.D}" if fixed.kind == "tree" else f"chain D={fixed.D}")
         total = sum(r.choices.values()) or 1
         runs = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in list(r.choices.items())[:3])
-        side = [num(r.median(role), 1) for role in ("auto", "best_fixed", "baseline")]
+        side = [num(r.side_median(role), 1) for role in ("auto", "best_fixed", "baseline")]
         rows.append([r.workload, str(r.batch_size), label, num(r.auto.throughput_tok_s, 1),
                      "-" if fixed is None else num(fixed.throughput_tok_s, 1), num(r.sweep_vs_best_fixed),
                      num(r.sweep_vs_baseline), *side,

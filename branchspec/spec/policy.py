@@ -531,12 +531,8 @@ class SpecPolicyRunner:
             return False
         B = max(1, batch)
         plain = B / self.costs.round_seconds(None, B) if None in self.policy.candidates else 0.0
-        accept = self.stats.expected_accept([NEW_REQUEST])[0]                # [C]
-        for spec, raw in zip(self.stats.specs, accept):
-            tokens = B * (1.0 + self.calibration(spec) * (float(raw) - 1.0))
-            if tokens / self.costs.round_seconds(spec, B) > plain:
-                return True
-        return False
+        tokens, seconds = self._speculative(B * self.stats.expected_accept([NEW_REQUEST])[0], B)
+        return bool((tokens / seconds).max() > plain)
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
                 remaining: list[int] | None = None) -> SpecConfig | None:
@@ -552,8 +548,7 @@ class SpecPolicyRunner:
             if remaining:     # a request near its budget cannot emit more than it has left
                 per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
-            tokens = B + self._calibrations() * (emitted - B)
-            seconds = self.costs.round_seconds_of(specs, B)
+            tokens, seconds = self._speculative(emitted, B)
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
@@ -571,9 +566,11 @@ class SpecPolicyRunner:
         self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
         return best
 
-    def _calibrations(self) -> np.ndarray:
-        """[C] `calibration` of every speculative candidate."""
-        return np.array([self.calibration(spec) for spec in self.stats.specs])
+    def _speculative(self, emitted: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each speculative candidate's calibrated tokens per round and round seconds [C],
+        for B requests whose positional model expects `emitted` [C] tokens a round in all."""
+        calibration = np.array([self.calibration(spec) for spec in self.stats.specs])
+        return B + calibration * (emitted - B), self.costs.round_seconds_of(self.stats.specs, B)
 
     def observe(self, spec: SpecConfig | None, seq_ids: list[int], seconds: float,
                 children: torch.Tensor | None = None, targets: torch.Tensor | None = None,
