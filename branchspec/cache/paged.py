@@ -33,6 +33,41 @@ from branchspec.model.attention import LayerScratch, LayerState
 from branchspec.model.metadata import ForwardMeta, buffer_rows
 
 
+@dataclass
+class StateAddresses:
+    """Where a batch's committed target state lives in the pools: every slot to read, by
+    kind, and the masks that go with them. Small index tensors, cheap to build; reading
+    the storage at them (`read_states`) is the large part of a gather, and a compiled step
+    does it inside its graph."""
+
+    slots: dict[str, torch.Tensor]            # kind -> [B, X] flat slots (X: window rows, buffer rows, entries)
+    raw_pos: torch.Tensor                     # [B, W-1] positions of the window rows
+    raw_valid: torch.Tensor                   # [B, 1, W-1] which of them exist
+    entries_valid: dict[int, torch.Tensor]    # ratio -> [B, E] which entries exist
+
+
+def read_states(cfg: ModelConfig, storage: dict[str, torch.Tensor], addr: StateAddresses) -> list[LayerState]:
+    """The dense committed state of every target layer, read from the pools' storage
+    ({kind: [layers of kind, slots, width]}) at `addr`: one read per kind, for all its
+    layers ([layers of kind, B, X, width]), split by layer."""
+    read = {kind: storage[kind][:, slots] for kind, slots in addr.slots.items()}
+    seen: dict[str, int] = {}
+
+    def next_of(kind: str) -> torch.Tensor:    # layers of a kind are stored in model order
+        i = seen[kind] = seen.get(kind, -1) + 1
+        return read[kind][i]
+
+    states = []
+    for r in cfg.compress_ratios:
+        st = LayerState(raw_k=next_of("raw"), raw_valid=addr.raw_valid, raw_pos=addr.raw_pos)
+        if r > 0:
+            st.buf, st.entries, st.entries_valid = next_of(f"buf{r}"), next_of(f"ent{r}"), addr.entries_valid[r]
+            if r == 4:
+                st.index_buf, st.index_keys = next_of("ibuf"), next_of("ikey")
+        states.append(st)
+    return states
+
+
 @dataclass(frozen=True)
 class KindSpec:
     name: str
@@ -183,15 +218,15 @@ class PagedState:
         return store[slots]                                          # [B, X, width]
 
     # -- gather ---------------------------------------------------------------------------
-    def gather(self, seq_ids: list[int], lengths: torch.Tensor) -> list[LayerState]:
-        """Dense committed state of every target layer for a batch. lengths: [B] committed L."""
+    def addresses(self, seq_ids: list[int], lengths: torch.Tensor) -> StateAddresses:
+        """Where a batch's committed state lives (small index tensors). lengths: [B] committed L."""
         cfg = self.cfg
         lengths = lengths.to(self.device)
         tables = {n: self._table(n, seq_ids) for n in self.specs if n != "mtp"}
         raw_slots, raw_pos, raw_valid = self._ring_read("raw", tables["raw"], lengths, cfg.window - 1)
-        addr = {}
+        slots, entries_valid = {"raw": raw_slots}, {}
         for r in cfg.compressed_ratios:
-            addr[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, buffer_rows(r))[0]
+            slots[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, buffer_rows(r))[0]
             num_entries = lengths // r
             E = int(num_entries.max()) if len(seq_ids) else 0
             if self.pad_entries:
@@ -201,22 +236,16 @@ class PagedState:
                 least = cfg.index_topk if r == 4 else 1
                 E = -(-max(E, least) // self.page_size) * self.page_size
             e = torch.arange(E, device=self.device).expand(len(seq_ids), E)   # [B, E] entry numbers
-            addr[f"ent{r}"] = (self._slots(f"ent{r}", tables[f"ent{r}"], e), e < num_entries[:, None])
+            slots[f"ent{r}"] = self._slots(f"ent{r}", tables[f"ent{r}"], e)
+            entries_valid[r] = e < num_entries[:, None]
             if r == 4:
-                addr["ibuf"] = self._ring_read("ibuf", tables["ibuf"], lengths, buffer_rows(4))[0]
-                addr["ikey"] = self._slots("ikey", tables["ikey"], e)
-        states = []
-        for l, r in enumerate(cfg.compress_ratios):
-            st = LayerState(raw_k=self._read("raw", l, raw_slots), raw_valid=raw_valid, raw_pos=raw_pos)
-            if r > 0:
-                st.buf = self._read(f"buf{r}", l, addr[f"buf{r}"])
-                ent_slots, ent_valid = addr[f"ent{r}"]
-                st.entries, st.entries_valid = self._read(f"ent{r}", l, ent_slots), ent_valid
-                if r == 4:
-                    st.index_buf = self._read("ibuf", l, addr["ibuf"])
-                    st.index_keys = self._read("ikey", l, addr["ikey"])
-            states.append(st)
-        return states
+                slots["ibuf"] = self._ring_read("ibuf", tables["ibuf"], lengths, buffer_rows(4))[0]
+                slots["ikey"] = self._slots("ikey", tables["ikey"], e)
+        return StateAddresses(slots=slots, raw_pos=raw_pos, raw_valid=raw_valid, entries_valid=entries_valid)
+
+    def gather(self, seq_ids: list[int], lengths: torch.Tensor) -> list[LayerState]:
+        """Dense committed state of every target layer for a batch. lengths: [B] committed L."""
+        return read_states(self.cfg, self.storage, self.addresses(seq_ids, lengths))
 
     def gather_mtp(self, seq_ids: list[int], lengths: torch.Tensor) -> LayerState:
         """Drafter KV for positions < lengths (its own committed length)."""
@@ -277,16 +306,19 @@ class PagedState:
                 slots["ibuf"] = self._slots("ibuf", tables["ibuf"], pos)[b2, n2]
                 slots["ikey"] = self._slots("ikey", tables["ikey"], entry)[kb, kk]
             plans[r] = (b2, n2, kb, kk, slots)
-        for l, (r, s) in enumerate(zip(self.cfg.compress_ratios, scratch)):
-            self._write("raw", l, raw_slots, s.k[bi, ni])
-            if r == 0:
-                continue
-            b2, n2, kb, kk, slots = plans[r]
-            self._write(f"buf{r}", l, slots["buf"], s.rows[b2, n2])
-            self._write(f"ent{r}", l, slots["ent"], s.entries[kb, kk])
+        # One write per kind for all its layers: the layers' scratch stacked, then the kept
+        # nodes' values [layers of kind, kept, width] scattered to their slots.
+        def layers(r: int) -> list[LayerScratch]:
+            return [s for s, x in zip(scratch, self.cfg.compress_ratios) if x == r]
+
+        self._write_all("raw", raw_slots, torch.stack([s.k for s in scratch])[:, bi, ni])
+        for r, (b2, n2, kb, kk, slots) in plans.items():
+            of_r = layers(r)
+            self._write_all(f"buf{r}", slots["buf"], torch.stack([s.rows for s in of_r])[:, b2, n2])
+            self._write_all(f"ent{r}", slots["ent"], torch.stack([s.entries for s in of_r])[:, kb, kk])
             if r == 4:
-                self._write("ibuf", l, slots["ibuf"], s.index_rows[b2, n2])
-                self._write("ikey", l, slots["ikey"], s.index_keys[kb, kk])
+                self._write_all("ibuf", slots["ibuf"], torch.stack([s.index_rows for s in of_r])[:, b2, n2])
+                self._write_all("ikey", slots["ikey"], torch.stack([s.index_keys for s in of_r])[:, kb, kk])
 
     def commit_mtp(self, seq_ids: list[int], meta: ForwardMeta, scratch: LayerScratch,
                    keep: torch.Tensor) -> None:
@@ -307,3 +339,7 @@ class PagedState:
 
     def _write(self, kind: str, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.storage[kind][self._layer_slot[(kind, layer)]][slots] = values.to(self.dtype)
+
+    def _write_all(self, kind: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """values: [layers of kind, K, width] -> slots [K] of every layer of the kind."""
+        self.storage[kind][:, slots] = values.to(self.dtype)

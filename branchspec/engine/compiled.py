@@ -21,8 +21,18 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
+from branchspec.cache.paged import StateAddresses, read_states
 from branchspec.model.attention import LayerState
 from branchspec.model.model import Transformer
+
+
+class Pools:
+    """The paged state's storage ({kind: [layers of kind, slots, width]}) passed whole into
+    a compiled step, which reads it at the batch's addresses inside its graph. Not batched:
+    canonicalising leaves it alone."""
+
+    def __init__(self, storage: dict[str, torch.Tensor]):
+        self.storage = storage
 
 
 def _map_batch(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -70,6 +80,16 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
     mark = torch._dynamo.maybe_mark_dynamic
     for t in _tensors(args):
         mark(t, 0)
+    for arg in args:
+        if isinstance(arg, Pools):        # the pools' slot counts follow the engine's limits
+            for t in arg.storage.values():
+                mark(t, 1)
+        if isinstance(arg, StateAddresses):
+            for kind, t in arg.slots.items():
+                if kind.startswith(("ent", "ikey")):
+                    mark(t, 1)
+            for t in arg.entries_valid.values():
+                mark(t, 1)
     for st in _states(args):
         for t in (st.entries, st.entries_valid, st.index_keys):
             if t is not None:
@@ -86,10 +106,29 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
                 mark(t, d)
 
 
-def target_step(model: Transformer, input_ids: torch.Tensor, meta, states: list[LayerState]):
+def _example(args: tuple) -> tuple:
+    """The arguments to trace a step with: fresh metadata (its RoPE memo is written while
+    tracing) and fresh tensor objects over the same memory (identity kept), so that marking
+    their varying sizes leaves the caller's tensors unmarked. A tensor marked at run time
+    but not when a step was compiled fails that step's guards, and the pools' storage and
+    the shape metadata outlive a call."""
+    views: dict[int, torch.Tensor] = {}
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in views:
+            views[id(t)] = t.view(t.shape)
+        return views[id(t)]
+
+    return tuple(Pools({k: fresh(v) for k, v in a.storage.items()}) if isinstance(a, Pools) else _map_batch(a, fresh)
+                 for a in args)
+
+
+def target_step(model: Transformer, input_ids: torch.Tensor, meta, pools: Pools, addr: StateAddresses):
     """The target's forward as a plain function of the model (what gets compiled: the model
-    is an input, so one compiled step serves any weights of the same configuration)."""
-    return model.forward(input_ids, meta, states)
+    is an input, so one compiled step serves any weights of the same configuration),
+    reading its committed state from the pools inside the graph: the reads fuse into the
+    kernels that consume them instead of being copied out first."""
+    return model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr))
 
 
 def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta,
@@ -117,14 +156,16 @@ _LOADED = [0]   # compiled steps this process loaded from the cache folder
 
 
 def _source_digest() -> str:
-    """What a compiled step was built from: the model code and this file."""
+    """What a compiled step was built from: the model code, the paged state's reads and this file."""
     import hashlib
     from pathlib import Path
 
     import branchspec.model as model_pkg
 
     h = hashlib.sha256()
-    for path in sorted(Path(model_pkg.__file__).parent.glob("*.py")) + [Path(__file__)]:
+    import branchspec.cache.paged as paged
+
+    for path in sorted(Path(model_pkg.__file__).parent.glob("*.py")) + [Path(paged.__file__), Path(__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -215,7 +256,7 @@ class CompiledStep:
             except Exception:   # noqa: BLE001 - unreadable or from another build: compile anew
                 step = None
         if step is None:
-            example = _map_batch(args, lambda t: t)   # fresh metadata (its RoPE memo is written while tracing)
+            example = _example(args)
             mark_varying_sizes(example, self.drafter)
             try:
                 step = torch.compile(self.fn, **self._options()).aot_compile(((self.model, *example), {}))

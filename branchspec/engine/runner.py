@@ -95,15 +95,24 @@ class ModelRunner:
         self.static = compile
         # The drafter's forward without its LM head: the extend needs logits at the new root only.
         self.target, self.mtp_forward = model.forward, functools.partial(model.mtp_forward, logits=False)
+        self.pools = None
         if compile:
-            from branchspec.engine.compiled import compile_steps
+            from branchspec.engine.compiled import Pools, compile_steps
             from branchspec.model.layers import build_stacked
 
             build_stacked(model)     # compiled steps read the stacked projections built now
             self.target, self.mtp_forward = compile_steps(model)
+            self.pools = Pools(cache.storage)     # read inside the compiled target step
             cache.pad_entries = True
             if drafter is not None:
                 drafter.mtp_forward = self.mtp_forward
+
+    def _target_forward(self, input_ids: torch.Tensor, meta, seq_ids: list[int], lengths: torch.Tensor):
+        """The target over new nodes on top of each sequence's committed state: eager reads
+        that state out of the pools first; the compiled step reads it in its graph."""
+        if self.pools is not None:
+            return self.target(input_ids, meta, self.pools, self.cache.addresses(seq_ids, lengths))
+        return self.target(input_ids, meta, self.cache.gather(seq_ids, lengths))
 
     def _lengths(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.num_committed for s in seqs], dtype=torch.long, device=self.device)
@@ -211,7 +220,7 @@ class ModelRunner:
         L = self._lengths(seqs)
         roots = torch.tensor([[s.root_id] for s in seqs], device=self.device)
         meta = chain_meta(L, 1, self.cfg.compressed_ratios, static=self.static)
-        out = self.target(roots, meta, self.cache.gather(ids, L))
+        out = self._target_forward(roots, meta, ids, L)
         t0 = self.timer.record("verify", t0)
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         t0 = self.timer.record("commit", t0)
@@ -292,7 +301,7 @@ class ModelRunner:
         plan = build_verify_plan(tree.parents, L, cfg.compressed_ratios, static=self.static)
         t0 = self.timer.record("plan", t0)
 
-        out = self.target(tree.tokens, plan.meta, self.cache.gather(ids, L))  # [B, D, V]
+        out = self._target_forward(tree.tokens, plan.meta, ids, L)             # [B, D, V]
         t0 = self.timer.record("verify", t0)
 
         # A round never commits past a request's token budget (its pages were sized for it).
