@@ -123,23 +123,22 @@ class LLM:
         return self.tokenizer.decode([i for i in ids if i < known])
 
     def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
-        """Run short dummy generations at each batch size with `spec` (and plainly), so that
-        a compiled LLM compiles every graph it needs now rather than mid-request. Batch 1 and
-        any batch of 2 or more cover all batch sizes. With `SpecConfig.auto(...)` it also
-        measures (or loads) the round-cost calibration, and warms every candidate. Returns
+        """Run short dummy generations at each batch size with `spec`, so that a compiled
+        LLM compiles every graph that configuration needs now rather than mid-request, and
+        no other: a fixed SpecConfig never decodes plainly, so plain decoding is warmed by
+        `warmup(None)`. Batch 1 and any batch of 2 or more cover all batch sizes. With
+        `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
+        warms plain decoding and every candidate. Returns
         {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
         instead}; on an eager LLM it only warms caches."""
         from branchspec.engine.compiled import compilations, steps_loaded
 
         self.engine.check_spec(spec)
         t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
-        specs: list[SpecConfig | None] = [None]
+        specs: list[SpecConfig | None] = [spec]
         if isinstance(spec, AutoPolicy):
             self.engine.policy_runner(spec, progress=True)
-            if self.engine_config.compile:
-                specs += list(spec.speculative)
-        elif spec is not None:
-            specs.append(spec)
+            specs = [None] + (list(spec.speculative) if self.engine_config.compile else [])
         prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
         for b in batch_sizes:
             for s in specs:
