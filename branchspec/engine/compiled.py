@@ -203,6 +203,7 @@ class CompiledStep:
         w = self.model.embed.weight
         blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": w.device.type,
                            "step": self.fn.__name__, "shape": shape_class, "source": _source_digest(),
+                           "inductor": self._inductor_options(),
                            "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -230,8 +231,15 @@ class CompiledStep:
             out = self._fallback()(self.model, *args)
         return _map_batch(out, lambda t: t[:1]) if pad else out
 
+    def _inductor_options(self) -> dict:
+        """On CPU the generated wrapper is C++ (`cpp_wrapper`): a Python wrapper calls each of
+        a step's few hundred kernels from Python, which cost about a millisecond of a 5 ms
+        decode step at batch 1 (3.6 against 2.7 ms for the graph)."""
+        return {"cpp_wrapper": True} if self.model.embed.weight.device.type == "cpu" else {}
+
     def _options(self) -> dict:
-        return dict(dynamic=False, fullgraph=True, options={"guard_filter_fn": _guards_to_keep})
+        return dict(dynamic=False, fullgraph=True,
+                    options={"guard_filter_fn": _guards_to_keep, **self._inductor_options()})
 
     def _fallback(self) -> Callable:
         if self.fallback is None:
