@@ -57,6 +57,7 @@ def _add_generate(sub):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--compile", action="store_true", help="run the compiled fast path (compiles first)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_generate, parser=p)
 
@@ -70,7 +71,7 @@ def _generate(args) -> int:
                                 seed=args.seed)
     except ValueError as e:
         args.parser.error(str(e))
-    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile)
+    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile, device=args.device)
     if args.compile:
         info = llm.warmup(spec, batch_sizes=(1,))
         print(f"fast path ready in {info['seconds']:.1f} s ({info['graphs']} graphs compiled, "
@@ -137,6 +138,7 @@ def _add_serve(sub):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph before serving)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.set_defaults(func=_serve, parser=p)
 
 
@@ -174,7 +176,7 @@ def _serve(args) -> int:
 
         torch.set_num_threads(args.num_threads)
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
-              max_model_len=args.max_model_len, seed=args.seed, compile=args.compile)
+              max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device)
     if args.compile:   # before the port opens: no request waits for a compilation
         info = llm.warmup(spec, batch_sizes=(1,))
         logging.getLogger("branchspec.serve").info("fast path ready in %.1f s (%d graphs compiled, %d loaded)",

@@ -578,6 +578,29 @@ class SamplingParams:
         return 0.0 if self.greedy else self.temperature
 
 
+def check_device(owner: str, value) -> str:
+    """A device name the engine can run on, as given: "cpu", "cuda" or "cuda:N" (CUDA must
+    be available and N one of its devices)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}.device must be a string such as 'cpu' or 'cuda', got {type(value).__name__}")
+    import torch
+
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{owner}.device={value!r} is not a device name; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{owner}.device={value!r}: only 'cpu' and 'cuda' are supported")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{owner}.device={value!r} but CUDA is not available here "
+                             f"(torch {torch.__version__}, torch.cuda.is_available() is False); use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{owner}.device={value!r} but this machine has {torch.cuda.device_count()} "
+                             f"CUDA device(s)")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Batch and memory sizing. page_size counts slots (tokens or entries) per page.
@@ -593,6 +616,7 @@ class EngineConfig:
     num_pages: dict = field(default_factory=dict)
     prefill_chunk_size: int = 256
     compile: bool = False             # the compiled fast path (engine/compiled.py); eager is the reference
+    device: str = "cpu"               # "cpu", "cuda" or "cuda:N": where the model, its state and its steps run
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -603,6 +627,7 @@ class EngineConfig:
                                check_int(own, "max_model_len", self.max_model_len, minimum=1))
         if not isinstance(self.compile, bool):
             raise TypeError(f"{own}.compile must be a bool, got {type(self.compile).__name__}")
+        object.__setattr__(self, "device", check_device(own, self.device))
         if not isinstance(self.num_pages, dict):
             raise TypeError(f"{own}.num_pages must be a dict of state kind -> page count, "
                             f"got {type(self.num_pages).__name__}")

@@ -69,11 +69,12 @@ class LLM:
     later calls reuse the pools, and unseeded sampled requests differ from call to call.
     `seed` fixes that stream, so a whole script of calls is reproducible.
     `compile=True` runs decode, verify and drafting compiled (`warmup` compiles ahead).
+    `device` ("cpu", "cuda", "cuda:N") is where the model, its state and its steps run.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  max_batch_size: int = 64, max_model_len: int | None = None, page_size: int = 16,
-                 seed: int | None = None, compile: bool = False):
+                 seed: int | None = None, compile: bool = False, device: str = "cpu"):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder path (str or PathLike) or None, "
                             f"got {type(model).__name__}")
@@ -82,13 +83,13 @@ class LLM:
         if seed is not None:
             seed = check_int("LLM", "seed", seed, minimum=0, maximum=MAX_SEED)
         self.engine_config = EngineConfig(max_batch_size=max_batch_size, page_size=page_size,
-                                          max_model_len=max_model_len, compile=compile)
+                                          max_model_len=max_model_len, compile=compile, device=device)
         path = Path(model) if model is not None else DEFAULT_CHECKPOINT
         if model is None and not (path / "config.json").is_file():
             raise FileNotFoundError(f"the embedded default checkpoint is missing at {path}; "
                                     "pass a checkpoint folder: LLM('path/to/checkpoint')")
         self.path = path
-        self.model = load_checkpoint(path, dtype)
+        self.model = load_checkpoint(path, dtype).to(device)
         self.tokenizer = None
         if (path / "tokenizer.json").is_file():
             from branchspec.data.tokenizer import Tokenizer

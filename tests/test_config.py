@@ -338,6 +338,29 @@ def test_engine_config_errors(field, bad):
         EngineConfig(**{field: bad})
 
 
+@pytest.mark.parametrize("bad,error,match", [
+    ("tpu0", ValueError, "not a device name"),
+    ("meta", ValueError, "only 'cpu' and 'cuda'"),
+    (0, TypeError, "must be a string"),
+])
+def test_engine_config_device_errors(bad, error, match):
+    with pytest.raises(error, match=match):
+        EngineConfig(device=bad)
+
+
+def test_engine_config_cuda_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        assert EngineConfig(device="cuda").device == "cuda"
+        with pytest.raises(ValueError, match="CUDA device"):
+            EngineConfig(device=f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            EngineConfig(device="cuda")
+    assert EngineConfig(device="cpu").device == "cpu"
+
+
 def test_engine_config_negative_max_model_len():
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(max_model_len=-8)

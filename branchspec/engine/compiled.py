@@ -15,6 +15,7 @@ no breaks (`fullgraph`). Prefill chunks vary in length and stay eager.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Callable
 
@@ -220,6 +221,9 @@ class CompiledStep:
         args = _map_batch(args, canonical)
         cls = self.shape_class(args)
         step = self.steps.get(cls) or self._prepare(cls, args)
+        graphs = self._inductor_options().get("triton.cudagraphs", False)
+        if graphs:   # a new step: the last replay's outputs may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             out = step(self.model, *args)
         except RuntimeError as e:
@@ -229,13 +233,19 @@ class CompiledStep:
                 warnings.warn(f"{self.fn.__name__}: inputs its {cls} step was not compiled for; compiling "
                               f"them separately ({str(e)[:300]})", stacklevel=2)
             out = self._fallback()(self.model, *args)
+        if graphs:   # a replay's outputs live in the graph's memory, which the next replay reuses
+            out = _map_batch(out, lambda t: t.clone())
         return _map_batch(out, lambda t: t[:1]) if pad else out
 
     def _inductor_options(self) -> dict:
         """On CPU the generated wrapper is C++ (`cpp_wrapper`): a Python wrapper calls each of
         a step's few hundred kernels from Python, which cost about a millisecond of a 5 ms
-        decode step at batch 1 (3.6 against 2.7 ms for the graph)."""
-        return {"cpp_wrapper": True} if self.model.embed.weight.device.type == "cpu" else {}
+        decode step at batch 1 (3.6 against 2.7 ms for the graph). On a GPU each step replays
+        as a CUDA graph, one per batch size it meets (BRANCHSPEC_CUDA_GRAPHS=0: launch its
+        kernels one by one)."""
+        if self.model.embed.weight.device.type == "cpu":
+            return {"cpp_wrapper": True}
+        return {"triton.cudagraphs": os.environ.get("BRANCHSPEC_CUDA_GRAPHS", "1") != "0"}
 
     def _options(self) -> dict:
         return dict(dynamic=False, fullgraph=True,
@@ -249,7 +259,6 @@ class CompiledStep:
     def _prepare(self, cls: str, args: tuple) -> Callable:
         """Load the shape class's compiled step from the cache folder, else compile it now
         (then save it). Compiling traces the example with a scratch copy of its metadata."""
-        import os
 
         from branchspec.spec.policy import cache_dir
 

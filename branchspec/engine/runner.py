@@ -29,11 +29,15 @@ ROUND_PHASES = ("draft", "plan", "verify", "accept", "commit", "draft_extend")
 
 @dataclass
 class PhaseTimer:
-    """Wall time per phase, summed over calls (CPU work is synchronous, so no syncs needed)."""
+    """Wall time per phase, summed over calls. CPU work is synchronous; on a GPU each
+    reading waits for the queued kernels first (`sync`), so a phase is charged its own."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    sync: bool = False
 
     def record(self, phase: str, start: float) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
         now = time.perf_counter()
         self.seconds[phase] += now - start
         return now
@@ -90,7 +94,7 @@ class ModelRunner:
         self.cfg = model.cfg
         self.chunk = prefill_chunk_size
         self.device = model.embed.weight.device
-        self.timer = PhaseTimer()
+        self.timer = PhaseTimer(sync=self.device.type == "cuda")
         self.last_catch_up_seconds = 0.0    # of the last speculative round (drafter lag fed first)
         self.static = compile
         # The drafter's forward without its LM head: the extend needs logits at the new root only.

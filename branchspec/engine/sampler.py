@@ -29,6 +29,7 @@ def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     own generator (a per-request seed makes a request's output independent of its batch).
     """
     out = logits.argmax(dim=-1)
+    temperature, top_p = temperature.to(logits.device), top_p.to(logits.device)
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
         probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled])   # [S, N, V]
@@ -36,8 +37,9 @@ def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
         # one batched search (torch.multinomial per request costs ~1.5 ms a call here).
         # The first token whose cumulative mass exceeds u: never a zero-probability one.
         cdf = probs.cumsum(-1)                                                          # [S, N, V]
+        # (Generators live on the CPU, so a seed gives the same draws on every device.)
         u = torch.stack([torch.rand(probs.shape[1], generator=generators[b], dtype=cdf.dtype)
-                         for b in sampled]) * cdf[..., -1]                                # [S, N]
+                         for b in sampled]).to(cdf.device) * cdf[..., -1]                 # [S, N]
         draws = torch.searchsorted(cdf, u[..., None], right=True)[..., 0]
         out[sampled] = draws.clamp_(max=probs.shape[-1] - 1)
     return out
