@@ -73,6 +73,9 @@ def _generate(args) -> int:
         args.parser.error(str(e))
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile, device=args.device)
     if args.compile:
+        from branchspec.engine.compiled import report_progress
+
+        report_progress()
         info = llm.warmup(spec, batch_sizes=(1,))
         print(f"fast path ready in {info['seconds']:.1f} s ({info['graphs']} graphs compiled, "
               f"{info['loaded']} loaded from the cache)", file=sys.stderr)

@@ -86,7 +86,8 @@ def test_compile_flag_is_checked():
         EngineConfig(compile="yes")
 
 
-def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt):
+def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt, caplog):
+    import logging
     import os
     from pathlib import Path
 
@@ -96,8 +97,11 @@ def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt):
     victim.write_bytes(b"not a compiled step")
     before, loaded = compilations(), steps_loaded()
     again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
-    again.warmup(TREE, batch_sizes=(1,))
+    with caplog.at_level(logging.INFO, logger="branchspec.compiled"):
+        again.warmup(TREE, batch_sizes=(1,))
     assert (compilations() - before, steps_loaded() - loaded) == (1, 2)
+    # The one compilation says when it starts and ends (long work shows progress).
+    assert "compiling target_step for nodes6" in caplog.text and "compiled target_step for nodes6 in" in caplog.text
     assert victim.read_bytes() != b"not a compiled step", "the step was saved again"
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     assert ([o.token_ids for o in again.generate(PROMPTS[:2], params)]

@@ -168,6 +168,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     for note in cfg.notes:
         print(note, file=sys.stderr)   # the same line heads report.md
+    if cfg.compile and cfg.progress:
+        from branchspec.engine.compiled import report_progress
+
+        report_progress()
     result = run_study(cfg)
     print(console_tables(result.cells, result.comparisons))
     print(f"\nwrote {', '.join(str(p) for p in result.files.values())}")

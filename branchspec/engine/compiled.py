@@ -15,7 +15,9 @@ no breaks (`fullgraph`). Prefill chunks vary in length and stay eager.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 import warnings
 from typing import Any, Callable
 
@@ -154,6 +156,18 @@ def _guards_to_keep(entries) -> list[bool]:
 
 
 _LOADED = [0]   # compiled steps this process loaded from the cache folder
+log = logging.getLogger("branchspec.compiled")
+
+
+def report_progress() -> None:
+    """Print a line to stderr as each graph starts and ends compiling (each takes a minute
+    or two on a few cores), for command-line runs that do not configure logging."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def _source_digest() -> str:
@@ -275,6 +289,8 @@ class CompiledStep:
         if step is None:
             example = _example(args)
             mark_varying_sizes(example, self.drafter)
+            log.info("compiling %s for %s (once per machine; a minute or two on a few cores)", self.fn.__name__, cls)
+            t0 = time.perf_counter()
             try:
                 step = torch.compile(self.fn, **self._options()).aot_compile(((self.model, *example), {}))
             except Exception as e:   # noqa: BLE001 - ahead-of-time compiling refused: plain torch.compile
@@ -282,6 +298,7 @@ class CompiledStep:
                               f"{str(e)[:200]}); using plain torch.compile", stacklevel=2)
                 step = self._fallback()
             else:
+                log.info("compiled %s for %s in %.0f s", self.fn.__name__, cls, time.perf_counter() - t0)
                 if use_cache:
                     try:
                         path.parent.mkdir(parents=True, exist_ok=True)
