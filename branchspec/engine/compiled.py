@@ -5,11 +5,14 @@ steps. Compiled code is specialised to the shapes it saw, so every step the engi
 must come in a few stable shapes: decode and verify keep their node counts (1 and D), the
 drafter's extend is padded to D + 1 nodes, completing-node slots are sized by their bound
 (`metadata.max_completions`), and committed entries are gathered in whole pages
-(`PagedState.pad_entries`). The sizes that still vary (batch >= 2, entries, the drafter's
-window slots and node count) are marked dynamic and every other size is a constant, so a
-growing context or a different accept length reuses the same graphs: one configuration
-needs four (target: 1 and D nodes; drafter: 1 and 2 or more). Each step is one graph with
-no breaks (`fullgraph`). Prefill chunks vary in length and stay eager.
+(`PagedState.pad_entries`). The sizes that still vary (batch >= 2, entries, the pools'
+slot counts, the drafter's window slots and node count) are marked dynamic and every other
+size is a constant, so a growing context or a different accept length reuses the same
+graphs: a speculative configuration needs three (the target at D nodes; the drafter at 1
+and at 2 or more), plain decoding one (the target at 1 node). Each step is one graph with
+no breaks (`fullgraph`), and the target's reads its committed state out of the pools
+inside the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay
+eager.
 """
 
 from __future__ import annotations
