@@ -30,19 +30,22 @@ from branchspec.model.weights import random_model
 def step_times(model, batch: int, context: int, steps: int, compiled: bool = False) -> list[float]:
     cfg = model.cfg
     cache = PagedState(cfg, max_seqs=batch, max_len=context + steps + 4, page_size=16)
-    def forward(tokens, meta, ids, L):
-        return model.forward(tokens, meta, cache.gather(ids, L))
+
+    def decode(tokens, ids, L):   # -> (ForwardOutput, ForwardMeta)
+        meta = chain_meta(L, 1, cfg.compressed_ratios)
+        return model.forward(tokens, meta, cache.gather(ids, L)), meta
 
     if compiled:
         from branchspec.engine.compiled import Pools, compile_steps
         from branchspec.model.layers import build_stacked
 
         build_stacked(model)
-        step, pools = compile_steps(model)[0], Pools(cache.storage)
+        step, pools = compile_steps(model)[1], Pools(cache.storage)
         cache.pad_entries = True
 
-        def forward(tokens, meta, ids, L):   # reads the committed state inside its graph
-            return step(tokens, meta, pools, cache.addresses(ids, L))
+        def decode(tokens, ids, L):   # metadata and committed state built in the graph
+            return step(tokens, L, pools, cache.addresses(ids, L))
+
     ids = list(range(batch))
     for sid in ids:
         cache.add(sid)
@@ -59,8 +62,7 @@ def step_times(model, batch: int, context: int, steps: int, compiled: bool = Fal
         for sid in ids:
             cache.reserve(sid, int(L[0]) + 1)
         t0 = time.perf_counter()
-        meta = chain_meta(L, 1, cfg.compressed_ratios, static=compiled)
-        out = forward(torch.randint(3, cfg.vocab_size, (batch, 1)), meta, ids, L)
+        out, meta = decode(torch.randint(3, cfg.vocab_size, (batch, 1)), ids, L)
         cache.commit(ids, meta, out.scratch, meta.valid)
         times.append(time.perf_counter() - t0)
         L = L + 1

@@ -99,13 +99,13 @@ class ModelRunner:
         self.static = compile
         # The drafter's forward without its LM head: the extend needs logits at the new root only.
         self.target, self.mtp_forward = model.forward, functools.partial(model.mtp_forward, logits=False)
-        self.pools = None
+        self.pools = self.decode = None
         if compile:
             from branchspec.engine.compiled import Pools, compile_steps
             from branchspec.model.layers import build_stacked
 
             build_stacked(model)     # compiled steps read the stacked projections built now
-            self.target, self.mtp_forward = compile_steps(model)
+            self.target, self.decode, self.mtp_forward = compile_steps(model)
             self.pools = Pools(cache.storage)     # read inside the compiled target step
             cache.pad_entries = True
             if drafter is not None:
@@ -223,8 +223,11 @@ class ModelRunner:
         ids = [s.seq_id for s in seqs]
         L = self._lengths(seqs)
         roots = torch.tensor([[s.root_id] for s in seqs], device=self.device)
-        meta = chain_meta(L, 1, self.cfg.compressed_ratios, static=self.static)
-        out = self._target_forward(roots, meta, ids, L)
+        if self.decode is not None:   # compiled: the step builds its metadata in its graph
+            out, meta = self.decode(roots, L, self.pools, self.cache.addresses(ids, L))
+        else:
+            meta = chain_meta(L, 1, self.cfg.compressed_ratios)
+            out = self._target_forward(roots, meta, ids, L)
         t0 = self.timer.record("verify", t0)
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         t0 = self.timer.record("commit", t0)
