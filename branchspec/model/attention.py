@@ -14,18 +14,19 @@ import torch
 from torch import nn
 
 from branchspec.config import ModelConfig
-from branchspec.model.layers import RMSNorm, StackedLinear, apply_rope, rope_cos_sin, unit_rms
+from branchspec.model.layers import RMSNorm, StackedLinear, rope_cos_sin, rope_pair_tables, rotate_pairs, unit_rms
 from branchspec.model.metadata import ForwardMeta, PoolPlan, buffer_rows
 
 
 def cached_rope(meta: ForwardMeta, key: tuple, positions: torch.Tensor, inv_freq: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for `positions` under one RoPE table, computed once per forward (`key` names
-    the table and the positions, e.g. ("compress", "nodes") or ("compress", 4))."""
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pair tables (`layers.rope_pair_tables`) for `positions` under one RoPE table,
+    computed once per forward (`key` names the table and the positions, e.g.
+    ("compress", "nodes") or ("compress", 4))."""
     key = (*key, dtype)
     hit = meta.rope_cache.get(key)
     if hit is None:
-        hit = meta.rope_cache[key] = rope_cos_sin(positions, inv_freq, dtype)
+        hit = meta.rope_cache[key] = rope_pair_tables(*rope_cos_sin(positions, inv_freq, dtype))
     return hit
 
 
@@ -116,7 +117,7 @@ class Compressor(nn.Module):
         pooled = (torch.softmax(g, dim=2) * a).sum(dim=2)         # [B, K, dim]
         entries = self.norm(pooled)
         cs = cached_rope(meta, ("compress", self.ratio), plan.entry_pos, self.inv_freq, entries.dtype)
-        return apply_rope(entries, *cs)
+        return rotate_pairs(entries, cs)
 
 
 class Indexer(nn.Module):
@@ -143,7 +144,7 @@ class Indexer(nn.Module):
         if T == 0:
             return visible
         q = self.wq_b(c_q).view(B, N, self.num_heads, self.head_dim)
-        q = apply_rope(q, *cached_rope(meta, ("compress", "nodes"), meta.positions, self.inv_freq, q.dtype))
+        q = rotate_pairs(q, cached_rope(meta, ("compress", "nodes"), meta.positions, self.inv_freq, q.dtype))
         w = head_weights * self.scale                              # [B, N, H_I]
         dots = torch.einsum("bnhd,btd->bnht", q, index_keys).relu()
         score = torch.einsum("bnh,bnht->bnt", w, dots)             # [B, N, T]
@@ -206,8 +207,8 @@ class Attention(nn.Module):
         c_q = self.q_norm(q_a)                                     # [B, N, q_lora]
         q = unit_rms(self.wq_b(c_q).view(B, N, H, dh), cfg.norm_eps)
         cs = cached_rope(meta, (self.rope_key, "nodes"), pos, self.inv_freq, x.dtype)
-        q = apply_rope(q, *cs)                                     # [B, N, H, d_h]
-        k = apply_rope(self.kv_norm(kv), *cs)                      # [B, N, d_h]
+        q = rotate_pairs(q, cs)                                     # [B, N, H, d_h]
+        k = rotate_pairs(self.kv_norm(kv), cs)                      # [B, N, d_h]
         scratch = LayerScratch(k=k)
 
         # Window: committed keys in range, plus ancestor-or-self new keys in range.
@@ -240,7 +241,7 @@ class Attention(nn.Module):
         sink = self.attn_sink.to(scores.dtype).view(1, H, 1, 1).expand(B, H, N, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("bhnt,btd->bnhd", probs, keys_all)      # [B, N, H, d_h]
-        out = apply_rope(out, *cs, inverse=True)
+        out = rotate_pairs(out, cs, inverse=True)
         return self.output(out), scratch
 
     def output(self, out: torch.Tensor) -> torch.Tensor:

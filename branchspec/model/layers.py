@@ -125,20 +125,35 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rope_pair_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cos, sin [..., half] -> what each interleaved pair (a, b) is rotated with: cos
+    [..., half, 1], and the signed sines [..., half, 2] that multiply the swapped pair
+    (b, a): (-sin, sin) to rotate by +position, (sin, -sin) by -position. Computed once per
+    forward and table (`attention.cached_rope`), so a rotation is a few ops."""
+    return cos.unsqueeze(-1), torch.stack([-sin, sin], dim=-1), torch.stack([sin, -sin], dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing rope dims of x [..., N, (H,) dim] by `rope_pair_tables`:
+    (a, b) -> (a cos - b sin, b cos + a sin), the same products and sums as the textbook
+    form, so the result is bit-identical to it."""
+    cos, sin_fwd, sin_inv = tables
+    sin = sin_inv if inverse else sin_fwd
+    for _ in range(x.dim() + 1 - cos.dim()):   # head dims between N and features
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    rot = 2 * cos.shape[-2]
+    pairs = x[..., x.shape[-1] - rot:].unflatten(-1, (rot // 2, 2))
+    rotated = (pairs * cos + pairs.flip(-1) * sin).flatten(-2)
+    return rotated if rot == x.shape[-1] else torch.cat([x[..., : x.shape[-1] - rot], rotated], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] dims of x in interleaved pairs (2i, 2i+1), as V4
     does. x: [..., N, (H,) dim]; cos, sin: [..., N, half] (broadcast over head dims).
     `inverse` rotates by -position: V4 un-rotates the attention output, whose values carry
     their keys' rotations, back to the query's frame."""
-    half = cos.shape[-1]
-    for _ in range(x.dim() - cos.dim()):   # head dims between N and features
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    if inverse:
-        sin = -sin
-    x_pass, x_rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
-    x1, x2 = x_rot.unflatten(-1, (half, 2)).unbind(-1)
-    rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-    return torch.cat([x_pass, rotated], dim=-1)
+    return rotate_pairs(x, rope_pair_tables(cos, sin), inverse)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
