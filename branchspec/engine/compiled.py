@@ -10,7 +10,7 @@ slot counts, the drafter's window slots and node count) are marked dynamic and e
 size is a constant, so a growing context or a different accept length reuses the same
 graphs: a speculative configuration needs three (the target at D nodes; the drafter at 1
 and at 2 or more), plain decoding one (the target at 1 node). Each step is one graph with
-no breaks (`fullgraph`), and the target's reads its committed state out of the pools
+no breaks (`fullgraph`), and the target's steps read their committed state from the pools
 inside the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay
 eager.
 """
@@ -190,11 +190,10 @@ def _source_digest() -> str:
     import hashlib
     from pathlib import Path
 
+    import branchspec.cache.paged as paged
     import branchspec.model as model_pkg
 
     h = hashlib.sha256()
-    import branchspec.cache.paged as paged
-
     for path in sorted(Path(model_pkg.__file__).parent.glob("*.py")) + [Path(paged.__file__), Path(__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()
