@@ -267,6 +267,7 @@ def test_role_markers_in_content_stay_text(llm, still_serves):
     (["generate", "hi", "--speculative-eagle-topk", "400", "--speculative-num-steps", "1",
       "--speculative-num-draft-tokens", "3"], "vocabulary"),
     (["generate", "hi", "--device", "npu7"], "not a device name"),
+    (["bench", "--quick", "--device", "meta"], "only 'cpu' and 'cuda'"),
 ])
 def test_cli_rejects_bad_input(ckpt, capsys, argv, match):
     argv = [*argv, "--model", str(ckpt)]

@@ -110,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -139,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         mbpp_optional=args.workloads is None,
         dtype=args.dtype,
         compile=args.compile,
+        device=args.device,
         threads=args.threads,
         progress=not args.no_progress,
         plots=not args.no_plots,

@@ -19,7 +19,7 @@ import torch
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
-from branchspec.config import SamplingParams, SpecConfig
+from branchspec.config import SamplingParams, SpecConfig, check_device
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 
@@ -62,6 +62,7 @@ class StudyConfig:
     mbpp_path: str | Path | None = None
     dtype: str = "float32"
     compile: bool = False
+    device: str = "cpu"               # "cpu", "cuda" or "cuda:N"
     threads: int | None = None
     prompts_override: dict[str, list[list[int]]] | None = None
     progress: bool = True
@@ -133,6 +134,7 @@ class StudyConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        check_device("StudyConfig", self.device)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         folder = Path(self.model) if self.model is not None else DEFAULT_CHECKPOINT
@@ -196,7 +198,8 @@ class StudyConfig:
             "tree_shapes": {d: [shape_label(s) for s in self.specs_at(d)[1:]] for d in self.budgets},
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
-            "dtype": self.dtype, "compile": self.compile, "threads": self.threads or torch.get_num_threads(),
+            "dtype": self.dtype, "compile": self.compile, "device": self.device,
+            "threads": self.threads or torch.get_num_threads(),
             "prompts": "override" if self.prompts_override is not None else "eval split",
             "policies": list(self.policies),
             "notes": list(self.notes),
@@ -276,7 +279,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     # request plus one round of slack (not the model's full max_position); seeded, so
     # sampled studies repeat run to run.
     llm = LLM(cfg.model, dtype=cfg.dtype, max_batch_size=max(cfg.batch_sizes), max_model_len=max_len,
-              seed=0, compile=cfg.compile)
+              seed=0, compile=cfg.compile, device=cfg.device)
     compile_seconds = 0.0
     if cfg.compile:
         # Compile every graph the grid needs before anything is timed.
