@@ -114,7 +114,7 @@ class ModelRunner:
     def _target_forward(self, input_ids: torch.Tensor, meta, seq_ids: list[int], lengths: torch.Tensor):
         """The target over new nodes on top of each sequence's committed state: eager reads
         that state out of the pools first; the compiled step reads it in its graph."""
-        if self.pools is not None:
+        if self.static:
             return self.target(input_ids, meta, self.pools, self.cache.addresses(seq_ids, lengths))
         return self.target(input_ids, meta, self.cache.gather(seq_ids, lengths))
 
@@ -223,7 +223,7 @@ class ModelRunner:
         ids = [s.seq_id for s in seqs]
         L = self._lengths(seqs)
         roots = torch.tensor([[s.root_id] for s in seqs], device=self.device)
-        if self.decode is not None:   # compiled: the step builds its metadata in its graph
+        if self.static:   # compiled: the step builds its metadata in its graph
             out, meta = self.decode(roots, L, self.pools, self.cache.addresses(ids, L))
         else:
             meta = chain_meta(L, 1, self.cfg.compressed_ratios)
