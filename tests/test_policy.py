@@ -223,8 +223,8 @@ def test_requests_learn_their_own_acceptance():
 
 
 def flat_costs(target_ms: float, mtp_ms: float) -> CostModel:
-    T = len(CostModel.TOKENS)
-    return CostModel((1, 64), np.full((2, T), target_ms / 1e3), np.full((2, T), mtp_ms / 1e3))
+    shape = (2, len(CostModel.TOKENS), 1)
+    return CostModel((1, 64), np.full(shape, target_ms / 1e3), np.full(shape, mtp_ms / 1e3), contexts=(128,))
 
 
 def test_policy_speculates_when_drafts_are_cheap_and_accepted_and_not_otherwise():
@@ -324,7 +324,7 @@ def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():
     assert runner.choose([1], lag=[0], remaining=[100]) == chain4
     runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.stats.expected_accept = lambda ids: np.full((len(ids), 1), 2.0)
-    runner.costs.catch_up_seconds = lambda batch, lag: 0.5e-3 * lag
+    runner.costs.catch_up_seconds = lambda batch, lag, context=None: 0.5e-3 * lag
     assert runner.choose([1], lag=[600], remaining=[1000]) == chain4
     runner._last_batch = None
     assert runner.choose([1], lag=[600], remaining=[8]) is None
@@ -438,7 +438,7 @@ def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
     runner = SpecPolicyRunner(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
     rates = {"chain D=3": 100.0, "chain D=4": 101.0}
     runner.stats.expected_accept = lambda ids: np.ones((len(ids), 2))
-    runner.costs.round_seconds_of = lambda specs, b: np.array([1.0 / rates[spec_label(s)] for s in specs])
+    runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
     first = runner.choose([1])
     assert first == chain4
     rates["chain D=3"] = 102.0                        # better by 1%, inside the margin
@@ -448,3 +448,59 @@ def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
     picks = [runner.choose([1]) for _ in range(policy_mod.REDECIDE_EVERY)]
     assert picks[-1] == chain3
     assert runner.choose([1, 2]) == chain3            # a new batch decides at once
+
+
+def test_round_costs_follow_the_context():
+    """Forwards are measured over a short and a long context: a prediction interpolates
+    between them, keeps the longer one's slope beyond it, and an overhead is what a round
+    took beyond the prediction at its own context."""
+    shape = (2, len(CostModel.TOKENS), 2)
+    target = np.empty(shape)
+    target[..., 0], target[..., 1] = 0.010, 0.014                       # 10 ms over 128, 14 ms over 512
+    costs = CostModel((1, 64), target, np.full(shape, 0.001), contexts=(128, 512))
+    assert costs.predict(None, 1, 128) == pytest.approx(0.010)
+    assert costs.predict(None, 1, 320) == pytest.approx(0.012)
+    assert costs.predict(None, 1, 896) == pytest.approx(0.018)
+    assert costs.predict(None, 1, 40) == pytest.approx(0.010)
+    assert costs.predict(None, 1) == costs.predict(None, 1, 128)         # no context: the shortest
+    for _ in range(3):
+        costs.observe(None, 1, 0.0145, context=512)
+    assert costs.round_seconds(None, 1, 512) == pytest.approx(0.0145)
+    assert costs.round_seconds(None, 1, 128) == pytest.approx(0.0105)
+    again = CostModel.from_dict(costs.to_dict())
+    assert again.contexts == (128, 512) and again.predict(None, 1, 320) == pytest.approx(0.012)
+    with pytest.raises(ValueError, match="shape"):
+        CostModel((1, 64), target[..., :1], target[..., :1], contexts=(128, 512))
+
+
+def test_speculation_must_clearly_beat_plain_decoding():
+    """Near a tie plain decoding stays: speculation's estimate has more ways to be wrong.
+    A switch between the two is judged again after PROBE_ROUNDS rounds, not a full period."""
+    from branchspec.spec import policy as policy_mod
+
+    chain3 = SpecConfig.chain(3)
+    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
+    rates = {"none": 100.0, "chain D=3": 101.0}
+    runner.stats.expected_accept = lambda ids: np.ones((len(ids), 1))
+    runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
+    assert runner.choose([1]) is None
+    runner._last_batch = None
+    rates["chain D=3"] = 100.0 * (1 + policy_mod.PLAIN_MARGIN) * (1 + policy_mod.SWITCH_MARGIN) * 1.01
+    assert runner.choose([1]) == chain3
+    rates["chain D=3"] = 50.0                          # the switch was wrong
+    picks = [runner.choose([1]) for _ in range(policy_mod.PROBE_ROUNDS)]
+    assert picks == [chain3] * (policy_mod.PROBE_ROUNDS - 1) + [None]
+    assert policy_mod.PROBE_ROUNDS < policy_mod.REDECIDE_EVERY
+
+
+def test_engine_wide_acceptance_remembers_more_than_one_requests_last_rounds():
+    """At batch 1 the engine-wide statistics are that one request's rounds: they keep about
+    GLOBAL_MEMORY of them, not the request's own last ten, so a few misses after many hits
+    move the estimate a new request starts from only part of the way."""
+    stats = AcceptanceStats(AutoPolicy(candidates=(SpecConfig.chain(3),)))
+    for _ in range(30):
+        stats.observe([1], *chain_outcome(2))
+    for _ in range(10):
+        stats.observe([1], *chain_outcome(0))
+    assert stats.acceptance([NEW_REQUEST])[0, 0, 0, 0] > 0.6
+    assert stats.acceptance([1])[0, 0, 0, 0] < 0.6           # the request's own, shorter memory

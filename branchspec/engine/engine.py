@@ -129,8 +129,9 @@ class Engine:
             # before the choice, which depends on it.
             self._reserve_round(spec.max_draft_tokens)
             running = self.scheduler.running
+            context = sum(s.num_committed for s in running) / len(running)
             chosen = policy.choose([s.seq_id for s in running], lag=[len(s.drafter_lag) for s in running],
-                                   remaining=[s.num_remaining for s in running])
+                                   remaining=[s.num_remaining for s in running], context=context)
         else:
             chosen = spec
             self._reserve_round(1 if spec is None else spec.num_draft_tokens)
@@ -146,7 +147,7 @@ class Engine:
             # cost of having switched, not of this configuration.
             seconds = time.perf_counter() - t0 - (self.runner.last_catch_up_seconds if chosen else 0.0)
             policy.observe(chosen, [s.seq_id for s in running], seconds,
-                           result.path_children, result.path_targets, result.path_len)
+                           result.path_children, result.path_targets, result.path_len, context=context)
         logprobs = result.logprobs or [None] * len(running)
         for seq, toks, lps in zip(running, result.emitted, logprobs):
             self._append(seq, toks, lps)
@@ -181,9 +182,10 @@ class Engine:
             # The drafter's prefill runs with the target's, as a fixed configuration's does,
             # unless the policy expects plain decoding to win at this batch size: then each
             # prompt joins its request's drafter lag, fed only if a speculative round comes.
-            batch = len(self.scheduler.running)
+            running = self.scheduler.running
+            context = sum(len(s.token_ids) for s in running) / len(running)
             defer = None in spec.candidates and bool(spec.speculative) and \
-                not self.policy_runner(spec).expects_speculation(batch)
+                not self.policy_runner(spec).expects_speculation(len(running), context)
             logits = self.runner.prefill(admitted, with_mtp=bool(spec.speculative) and not defer, lag_mtp=defer)
         else:
             logits = self.runner.prefill(admitted, with_mtp=spec is not None)

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -61,6 +62,9 @@ NEW_REQUEST = -1
 # rank half as often. Optimistic on purpose (deep drafts get tried, then measured).
 PRIOR_RANK1 = 0.6
 
+
+# The engine-wide acceptance statistics remember at least about this many rounds.
+GLOBAL_MEMORY = 100
 
 # Acceptance is kept apart for nodes whose parent is on the drafter's main line (every
 # node above it was its parent's top proposal: the chain) and for the others: after the
@@ -213,7 +217,9 @@ class AcceptanceStats:
         self._tries[rows] *= decay
         self._hits[rows, :, :D, :k] += hits
         self._tries[rows, :, :D, :k] += tries
-        gd = decay ** (1.0 / max(1, len(seq_ids)))     # engine-wide: about one decay per request-round
+        # Engine-wide: one decay every batch-size rounds, and a memory of at least
+        # GLOBAL_MEMORY rounds (at batch 1 the one request's last ten rounds are too few).
+        gd = max(decay ** (1.0 / max(1, len(seq_ids))), 1.0 - 1.0 / GLOBAL_MEMORY)
         self.global_hits *= gd
         self.global_tries *= gd
         self.global_hits[:, :D, :k] += hits.sum(axis=0)
@@ -222,75 +228,124 @@ class AcceptanceStats:
 
 # -- round time ---------------------------------------------------------------------------
 
-class CostModel:
-    """Forward time of the target and the drafter on a (batch, tokens per request) grid,
-    and the round time of each candidate composed from them.
+TARGET, DRAFTER = 0, 1     # the forwards a CostModel times
 
-    target[i, j] / mtp[i, j]: seconds of one forward at batch BATCHES[i] with TOKENS[j] new
-    tokens per request (over a committed context). Off-grid points interpolate linearly in
-    log(batch) and in tokens. Per (candidate label, batch bucket) it also keeps the last
-    `HISTORY` measured overheads (measured - predicted round time: plan, accept, commit,
-    sampling, Python), and adds their median: the per-round cost the grid does not see,
-    learned as rounds run, robust to a round slowed by something else.
+
+class CostModel:
+    """Forward time of the target and the drafter on a (batch, tokens per request, context)
+    grid, and the round time of each candidate composed from them.
+
+    target[i, j, k] / mtp[i, j, k]: seconds of one forward at batch BATCHES[i] with
+    TOKENS[j] new tokens per request over CONTEXTS[k] committed ones. Off-grid points
+    interpolate linearly in log(batch), in tokens and in context (beyond the longest
+    context: linearly, on the slope between the last two). The context matters: attention
+    reads the window and every compressed entry, so a step over 500 committed tokens costs
+    about a third more than one over 128 at batch 64 on the default model.
+
+    Per (candidate label, batch bucket) it also keeps the last `HISTORY` measured overheads
+    (measured - predicted round time: plan, accept, commit, sampling, Python), and adds
+    their median: the per-round cost the grid does not see, learned as rounds run, robust
+    to a round slowed by something else.
     """
 
     # Up to a tree's verify (16) and a catch-up chunk (64: a deferred prompt, plain rounds).
     TOKENS = (1, 2, 4, 8, 16, 64)
+    # Committed tokens the grid is measured over: a short context and a long one.
+    CONTEXTS = (128, 512)
     HISTORY = 8
+    # Predictions are kept per context rounded to this many tokens.
+    CONTEXT_STEP = 32
 
-    def __init__(self, batches: tuple[int, ...], target: np.ndarray, mtp: np.ndarray):
-        self.batches = tuple(batches)
+    def __init__(self, batches: tuple[int, ...], target: np.ndarray, mtp: np.ndarray,
+                 contexts: tuple[int, ...] = CONTEXTS):
+        self.batches, self.contexts = tuple(batches), tuple(contexts)
         self.target, self.mtp = np.asarray(target, float), np.asarray(mtp, float)
+        shape = (len(self.batches), len(self.TOKENS), len(self.contexts))
+        if self.target.shape != shape or self.mtp.shape != shape:
+            raise ValueError(f"cost grids must have shape {shape}, got {self.target.shape} and {self.mtp.shape}")
+        if list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"contexts must be increasing, got {self.contexts}")
         self.overheads: dict[tuple[str, int], deque[float]] = {}
-        self._predicted: dict[tuple[SpecConfig | None, int], float] = {}
+        self._predicted: dict[tuple[SpecConfig | None, int, int], float] = {}
+        self._rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._settled: dict[tuple[str, int], float] = {}
+        self._least_seen: dict[tuple[bool, int], float] = {}
         self._warm: set[tuple[str, int]] = set()
 
-    def _at(self, grid: np.ndarray, batch: int, tokens: int) -> float:
-        lb = np.log2(np.asarray(self.batches, float))
-        per_tokens = np.array([np.interp(min(tokens, self.TOKENS[-1]), self.TOKENS, row) for row in grid])
-        t = float(np.interp(math.log2(batch), lb, per_tokens))
-        if batch > self.batches[-1]:     # beyond the grid: scale with the batch
-            t *= batch / self.batches[-1]
+    def _context(self, context: float | None) -> int:
+        """The context a prediction is kept under: rounded to CONTEXT_STEP (None: the
+        shortest measured)."""
+        if context is None:
+            return self.contexts[0]
+        return max(1, int(round(context / self.CONTEXT_STEP))) * self.CONTEXT_STEP
+
+    def _over_context(self, grid: np.ndarray, context: int) -> np.ndarray:
+        """[batches, tokens] forward seconds over `context` committed tokens."""
+        c = self.contexts
+        if len(c) == 1 or context <= c[0]:
+            return grid[:, :, 0]
+        k = min(int(np.searchsorted(c, context)), len(c) - 1)
+        lo, hi = grid[:, :, k - 1], grid[:, :, k]
+        t = (context - c[k - 1]) / (c[k] - c[k - 1])
+        if t <= 1.0:
+            return lo + t * (hi - lo)
+        return hi + (t - 1.0) * np.maximum(hi - lo, 0.0)     # beyond: never cheaper than measured
+
+    def _row(self, kind: int, batch: int, context: int) -> np.ndarray:
+        """[len(TOKENS)] forward seconds of the target (kind 0) or the drafter (kind 1) at
+        `batch` over `context`, interpolated once per (batch, context)."""
+        key = (batch, context)
+        if key not in self._rows:
+            lb, x = np.log2(np.asarray(self.batches, float)), math.log2(batch)
+            scale = batch / self.batches[-1] if batch > self.batches[-1] else 1.0   # beyond the grid
+            self._rows[key] = tuple(
+                scale * np.array([np.interp(x, lb, col) for col in self._over_context(grid, context).T])
+                for grid in (self.target, self.mtp))
+        return self._rows[key][kind]
+
+    def _at(self, kind: int, batch: int, tokens: int, context: int) -> float:
+        t = float(np.interp(min(tokens, self.TOKENS[-1]), self.TOKENS, self._row(kind, batch, context)))
         if tokens > self.TOKENS[-1]:
             t *= tokens / self.TOKENS[-1]
         return t
 
-    def predict(self, spec: SpecConfig | None, batch: int) -> float:
-        """Seconds of one round of `spec` over `batch` requests, without its measured overhead."""
-        key = (spec, batch)
+    def predict(self, spec: SpecConfig | None, batch: int, context: float | None = None) -> float:
+        """Seconds of one round of `spec` over `batch` requests with `context` committed
+        tokens on average, without its measured overhead."""
+        key = (spec, batch, self._context(context))
         if key not in self._predicted:
-            self._predicted[key] = self._compose(spec, batch)
+            self._predicted[key] = self._compose(spec, batch, key[2])
         return self._predicted[key]
 
-    def _compose(self, spec: SpecConfig | None, batch: int) -> float:
+    def _compose(self, spec: SpecConfig | None, batch: int, context: int) -> float:
         if spec is None:
-            return self._at(self.target, batch, 1)
+            return self._at(TARGET, batch, 1, context)
         # The root's drafter slot comes with the previous round's draft extend, which runs
         # D + 1 nodes (the path and the next root): one drafter forward per later step.
-        draft = (spec.num_steps - 1) * self._at(self.mtp, batch, spec.topk)
-        verify = self._at(self.target, batch, spec.num_draft_tokens)
-        extend = self._at(self.mtp, batch, spec.num_draft_tokens + 1)
+        draft = (spec.num_steps - 1) * self._at(DRAFTER, batch, spec.topk, context)
+        verify = self._at(TARGET, batch, spec.num_draft_tokens, context)
+        extend = self._at(DRAFTER, batch, spec.num_draft_tokens + 1, context)
         return draft + verify + extend
 
-    def catch_up_seconds(self, batch: int, lag: int) -> float:
+    def catch_up_seconds(self, batch: int, lag: int, context: float | None = None) -> float:
         """One drafter pass over `lag` positions per request: the price of speculating
         after rounds (or a prefill) the drafter did not follow."""
-        return self._at(self.mtp, batch, lag) if lag > 0 else 0.0
+        return self._at(DRAFTER, batch, lag, self._context(context)) if lag > 0 else 0.0
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, (batch - 1).bit_length())
 
-    def round_seconds(self, spec: SpecConfig | None, batch: int) -> float:
+    def round_seconds(self, spec: SpecConfig | None, batch: int, context: float | None = None) -> float:
         """Predicted forward seconds plus the round's overhead beyond them, as measured for
         this candidate at this batch bucket. A candidate's first round is not counted (it
         pays one-time costs: allocation, metadata for a new shape), and until it has one
         counted round it is given the least overhead measured for its kind (speculative or
         plain), so it gets tried rather than inheriting another shape's overhead."""
-        return float(self.round_seconds_of((spec,), batch)[0])
+        return float(self.round_seconds_of((spec,), batch, context)[0])
 
-    def round_seconds_of(self, specs: tuple[SpecConfig | None, ...], batch: int) -> np.ndarray:
+    def round_seconds_of(self, specs: tuple[SpecConfig | None, ...], batch: int,
+                         context: float | None = None) -> np.ndarray:
         """`round_seconds` of several candidates: [len(specs)]."""
         bucket = self.bucket(batch)
         least: dict[bool, float] = {}
@@ -302,7 +357,7 @@ class CostModel:
                 if speculative not in least:
                     least[speculative] = self._least(speculative, bucket)
                 extra = least[speculative]
-            out[i] = self.predict(spec, batch) + extra
+            out[i] = self.predict(spec, batch, context) + extra
         return out
 
     def overhead(self, key: tuple[str, int]) -> float | None:
@@ -311,35 +366,39 @@ class CostModel:
             seen = self.overheads.get(key)
             if not seen:
                 return None
-            self._settled[key] = float(np.median(seen))
+            self._settled[key] = statistics.median(seen)
         return self._settled[key]
 
     def _least(self, speculative: bool, bucket: int) -> float:
-        seen = [v for key in self.overheads
-                if key[1] == bucket and (key[0] != "none") == speculative
-                and (v := self.overhead(key)) is not None]
-        return min(seen, default=0.0)
+        if (speculative, bucket) not in self._least_seen:
+            seen = [v for key in self.overheads
+                    if key[1] == bucket and (key[0] != "none") == speculative
+                    and (v := self.overhead(key)) is not None]
+            self._least_seen[(speculative, bucket)] = min(seen, default=0.0)
+        return self._least_seen[(speculative, bucket)]
 
-    def observe(self, spec: SpecConfig | None, batch: int, seconds: float) -> None:
-        """A measured round: its overhead beyond the predicted forwards joins its history."""
+    def observe(self, spec: SpecConfig | None, batch: int, seconds: float, context: float | None = None) -> None:
+        """A measured round over `context` committed tokens on average: its overhead beyond
+        the predicted forwards joins its history."""
         key = (_label(spec), self.bucket(batch))
         if key not in self._warm:          # its first round: one-time costs, not counted
             self._warm.add(key)
             return
-        predicted = self.predict(spec, batch)
+        predicted = self.predict(spec, batch, context)
         history = self.overheads.setdefault(key, deque(maxlen=self.HISTORY))
         history.append(min(max(seconds - predicted, -0.5 * predicted), 3.0 * predicted))
         self._settled.pop(key, None)
+        self._least_seen.pop((spec is not None, key[1]), None)
 
     def to_dict(self) -> dict:
-        return {"batches": list(self.batches), "tokens": list(self.TOKENS),
+        return {"batches": list(self.batches), "tokens": list(self.TOKENS), "contexts": list(self.contexts),
                 "target": self.target.tolist(), "mtp": self.mtp.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         if tuple(d["tokens"]) != cls.TOKENS:
             raise ValueError("calibration grid changed")
-        return cls(tuple(d["batches"]), np.array(d["target"]), np.array(d["mtp"]))
+        return cls(tuple(d["batches"]), np.array(d["target"]), np.array(d["mtp"]), tuple(d["contexts"]))
 
 
 def calibration_batches(max_batch_size: int) -> tuple[int, ...]:
@@ -351,11 +410,18 @@ def calibration_batches(max_batch_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def calibration_contexts(max_position: int) -> tuple[int, ...]:
+    """The CONTEXTS a model of `max_position` positions can be measured over (each leaves
+    room for the largest token count on top)."""
+    room = max_position - CostModel.TOKENS[-1] - 1
+    return tuple(sorted({max(1, min(c, room)) for c in CostModel.CONTEXTS}))
+
+
 @torch.no_grad()
-def calibrate(model, max_batch_size: int, context: int = 128, repeats: int = 3,
-              progress: bool = False) -> CostModel:
-    """Time the target's and the drafter's forward over the (batch, tokens) grid, each
-    over `context` committed tokens, in a private cache (the engine's pages are untouched)."""
+def calibrate(model, max_batch_size: int, repeats: int = 3, progress: bool = False) -> CostModel:
+    """Time the target's and the drafter's forward over the (batch, tokens, context) grid,
+    in a private cache (the engine's pages are untouched). At each batch size the context
+    grows by prefill from one measured length to the next."""
     from branchspec.cache.paged import PagedState
     from branchspec.model.metadata import chain_meta
 
@@ -363,48 +429,50 @@ def calibrate(model, max_batch_size: int, context: int = 128, repeats: int = 3,
     p = model.embed.weight
     batches = calibration_batches(max_batch_size)
     T = CostModel.TOKENS
-    context = min(context, cfg.max_position - T[-1] - 1)
-    target = np.zeros((len(batches), len(T)))
-    mtp = np.zeros((len(batches), len(T)))
+    contexts = calibration_contexts(cfg.max_position)
+    target = np.zeros((len(batches), len(T), len(contexts)))
+    mtp = np.zeros_like(target)
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(batches) * len(T), desc="calibrating round costs", unit="shape", leave=False)
+        bar = tqdm(total=target.size, desc="calibrating round costs", unit="shape", leave=False)
     gen = torch.Generator().manual_seed(0)
     for i, B in enumerate(batches):
-        cache = PagedState(cfg, max_seqs=B, max_len=context + T[-1] + 1, page_size=16, dtype=p.dtype,
+        cache = PagedState(cfg, max_seqs=B, max_len=contexts[-1] + T[-1] + 1, page_size=16, dtype=p.dtype,
                            device=p.device)
         ids = list(range(B))
         for sid in ids:
             cache.add(sid)
-            cache.reserve(sid, context + T[-1])
+            cache.reserve(sid, contexts[-1] + T[-1])
         L = torch.zeros(B, dtype=torch.long, device=p.device)
-        tokens = torch.randint(3, cfg.vocab_size, (B, context), generator=gen).to(p.device)
-        meta = chain_meta(L, context, cfg.compressed_ratios)
-        out = model(tokens, meta, cache.gather(ids, L))
-        cache.commit(ids, meta, out.scratch, meta.valid)
-        L = L + context
-        hidden = out.hidden[:, -1:]
-        for j, n in enumerate(T):
-            new = torch.randint(3, cfg.vocab_size, (B, n), generator=gen).to(p.device)
-            times_t, times_m = [], []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                m = chain_meta(L, n, cfg.compressed_ratios)
-                model(new, m, cache.gather(ids, L))
-                t1 = time.perf_counter()
-                mm = chain_meta(L, n, ())
-                model.mtp_forward(new, hidden.expand(B, n, hidden.shape[-1]), mm, cache.gather_mtp(ids, L))
-                t2 = time.perf_counter()
-                times_t.append(t1 - t0)
-                times_m.append(t2 - t1)
-            target[i, j] = float(np.median(times_t[1:]))
-            mtp[i, j] = float(np.median(times_m[1:]))
-            if bar is not None:
-                bar.update(1)
+        for k, context in enumerate(contexts):
+            grow = context - int(L[0])
+            tokens = torch.randint(3, cfg.vocab_size, (B, grow), generator=gen).to(p.device)
+            meta = chain_meta(L, grow, cfg.compressed_ratios)
+            out = model(tokens, meta, cache.gather(ids, L))
+            cache.commit(ids, meta, out.scratch, meta.valid)
+            L = L + grow
+            hidden = out.hidden[:, -1:]
+            for j, n in enumerate(T):
+                new = torch.randint(3, cfg.vocab_size, (B, n), generator=gen).to(p.device)
+                times_t, times_m = [], []
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    m = chain_meta(L, n, cfg.compressed_ratios)
+                    model(new, m, cache.gather(ids, L))
+                    t1 = time.perf_counter()
+                    mm = chain_meta(L, n, ())
+                    model.mtp_forward(new, hidden.expand(B, n, hidden.shape[-1]), mm, cache.gather_mtp(ids, L))
+                    t2 = time.perf_counter()
+                    times_t.append(t1 - t0)
+                    times_m.append(t2 - t1)
+                target[i, j, k] = float(np.median(times_t[1:]))
+                mtp[i, j, k] = float(np.median(times_m[1:]))
+                if bar is not None:
+                    bar.update(1)
     if bar is not None:
         bar.close()
-    return CostModel(batches, target, mtp)
+    return CostModel(batches, target, mtp, contexts)
 
 
 def calibration_key(model, max_batch_size: int) -> str:
@@ -420,7 +488,7 @@ def calibration_key(model, max_batch_size: int) -> str:
         pass
     blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
                        "device": str(model.embed.weight.device), "batches": calibration_batches(max_batch_size),
-                       "tokens": CostModel.TOKENS, "threads": torch.get_num_threads(), "cpu": cpu,
+                       "tokens": CostModel.TOKENS, "contexts": CostModel.CONTEXTS, "threads": torch.get_num_threads(), "cpu": cpu,
                        "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -470,6 +538,15 @@ REDECIDE_EVERY = 4
 REDECIDE_PER_REQUESTS = 8
 # A better estimate must beat the standing choice by this much to replace it.
 SWITCH_MARGIN = 0.03
+# Speculation must beat plain decoding's estimate by this much to be chosen over it: a
+# speculative estimate has more ways to be wrong (acceptance, four phases' costs, the
+# drafter's catch-up), and losing to plain decoding is the one outcome the policy exists
+# to prevent.
+PLAIN_MARGIN = 0.03
+# After a switch between plain decoding and speculation the new choice is judged again
+# this soon, with its first measured rounds: a switch made on a wrong estimate costs two
+# rounds, not a full decision period.
+PROBE_ROUNDS = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -499,30 +576,32 @@ class SpecPolicyRunner:
         self._predicted_per_request: float | None = None
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
+        self._switched = False
 
     def choose(self, seq_ids: list[int], lag: list[int] | None = None,
-               remaining: list[int] | None = None) -> SpecConfig | None:
+               remaining: list[int] | None = None, context: float | None = None) -> SpecConfig | None:
         """The configuration for the next round over these requests. lag: per request, the
         committed positions the drafter has not followed (a speculative round first feeds
-        them to it); remaining: per request, the tokens it may still emit.
+        them to it); remaining: per request, the tokens it may still emit; context: their
+        mean committed length (forwards over a longer context cost more).
 
         The estimates are recomputed every `REDECIDE_EVERY` rounds (more at large
         batches), or at once when the batch changed; in between the last choice stands. A new best must beat the
         standing choice by `SWITCH_MARGIN`: near-ties are within the estimates' noise."""
         t0 = time.perf_counter()
         batch = tuple(seq_ids)
-        every = max(REDECIDE_EVERY, len(seq_ids) // REDECIDE_PER_REQUESTS)
+        every = PROBE_ROUNDS if self._switched else max(REDECIDE_EVERY, len(seq_ids) // REDECIDE_PER_REQUESTS)
         if batch == self._last_batch and self._rounds_since < every - 1:
             self._rounds_since += 1
             best = self.last_choice
         else:
-            best = self._decide(seq_ids, lag, remaining)
+            best = self._decide(seq_ids, lag, remaining, context)
             self._last_batch, self._rounds_since = batch, 0
         self.counts[_label(best)] += 1
         self.decide_seconds += time.perf_counter() - t0
         return best
 
-    def expects_speculation(self, batch: int) -> bool:
+    def expects_speculation(self, batch: int, context: float | None = None) -> bool:
         """Would a round over `batch` requests the engine knows nothing about yet speculate?
         Judged from the engine-wide statistics alone, with no catch-up to pay: the engine
         asks at admission whether to feed the drafter the prompts now, with the target's
@@ -530,56 +609,60 @@ class SpecPolicyRunner:
         if not self.stats.specs:
             return False
         B = max(1, batch)
-        plain = B / self.costs.round_seconds(None, B) if None in self.policy.candidates else 0.0
-        tokens, seconds = self._speculative(B * self.stats.expected_accept([NEW_REQUEST])[0], B)
-        return bool((tokens / seconds).max() > plain)
+        plain = B / self.costs.round_seconds(None, B, context) if None in self.policy.candidates else 0.0
+        tokens, seconds = self._speculative(B * self.stats.expected_accept([NEW_REQUEST])[0], B, context)
+        return bool((tokens / seconds).max() > (1 + PLAIN_MARGIN) * plain)
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
-                remaining: list[int] | None = None) -> SpecConfig | None:
+                remaining: list[int] | None = None, context: float | None = None) -> SpecConfig | None:
         B = len(seq_ids)
         specs = self.stats.specs
         options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
         rates = np.empty(len(options))
         if options[0] is None:
-            rates[0] = B / self.costs.round_seconds(None, B)
+            rates[0] = B / self.costs.round_seconds(None, B, context)
         emitted = None
         if specs:
             per_request = self.stats.expected_accept(seq_ids)                 # [B, C]
             if remaining:     # a request near its budget cannot emit more than it has left
                 per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
-            tokens, seconds = self._speculative(emitted, B)
+            tokens, seconds = self._speculative(emitted, B, context)
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
-                seconds = seconds + self.costs.catch_up_seconds(B, max(lag)) / np.maximum(1.0, left * B / tokens)
+                seconds = seconds + self.costs.catch_up_seconds(B, max(lag), context) / np.maximum(1.0, left * B / tokens)
             rates[len(options) - len(specs):] = tokens / seconds
         estimate = {_label(spec): float(rate) for spec, rate in zip(options, rates)}
-        i = int(np.argmax(rates))
-        best, best_rate = options[i], rates[i]
-        standing = estimate.get(_label(self.last_choice)) if self._last_batch is not None else None
-        if standing is not None and self.last_choice in self.policy.candidates \
-                and best_rate < (1 + SWITCH_MARGIN) * standing:
-            best = self.last_choice
+        judged = rates.copy()
+        if options[0] is None:
+            judged[0] *= 1 + PLAIN_MARGIN
+        i = int(np.argmax(judged))
+        best, best_rate = options[i], judged[i]
+        if self._last_batch is not None and self.last_choice in self.policy.candidates:
+            standing = judged[options.index(self.last_choice)]
+            if best_rate < (1 + SWITCH_MARGIN) * standing:
+                best = self.last_choice
+        self._switched = (best is None) != (self.last_choice is None)
         self.last_choice, self.last_estimate = best, estimate
         self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
         return best
 
-    def _speculative(self, emitted: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
+    def _speculative(self, emitted: np.ndarray, B: int, context: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Each speculative candidate's calibrated tokens per round and round seconds [C],
         for B requests whose positional model expects `emitted` [C] tokens a round in all."""
         calibration = np.array([self.calibration(spec) for spec in self.stats.specs])
-        return B + calibration * (emitted - B), self.costs.round_seconds_of(self.stats.specs, B)
+        return B + calibration * (emitted - B), self.costs.round_seconds_of(self.stats.specs, B, context)
 
     def observe(self, spec: SpecConfig | None, seq_ids: list[int], seconds: float,
                 children: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                path_len: list[int] | None = None) -> None:
+                path_len: list[int] | None = None, context: float | None = None) -> None:
         """The outcome of the round `choose` picked: its wall time, and for a speculative
         round the drafter's proposals against the target's tokens along each accepted path
-        and the path lengths."""
+        and the path lengths. context: the requests' mean committed length before it."""
         t0 = time.perf_counter()
-        self.costs.observe(spec, len(seq_ids), seconds)
+        self.costs.observe(spec, len(seq_ids), seconds, context)
         if spec is not None and children is not None:
             self.stats.observe(seq_ids, children, targets)
             if self._predicted_per_request is not None and spec is self.last_choice:
