@@ -109,8 +109,11 @@ class AcceptanceStats:
         self._hits = np.zeros((1, *shape))
         self._tries = np.zeros((1, *shape))
         self.specs = policy.speculative
-        # Every node any candidate could verify, once: [N, MAX_DEPTH * R] edge matrix, and
-        # which candidates may use each node [C, N].
+        # Every node any candidate could verify, once: [N, P] the columns of its path's
+        # edges in the flattened [2 * MAX_DEPTH * R] acceptance (padded with one past the
+        # end, a zero column), and which candidates may use each node [C, N]. A gather and
+        # a sum, not a matrix product: numpy's BLAS threads would spin on the cores the
+        # model's forwards run on.
         paths: dict[tuple, int] = {}
         members: list[list[int]] = []
         for spec in self.specs:
@@ -118,11 +121,12 @@ class AcceptanceStats:
             for path in candidate_paths(spec):
                 mine.append(paths.setdefault(path, len(paths)))
             members.append(mine)
-        self.edges = np.zeros((len(paths), 2 * MAX_DEPTH * self.R))
+        self.num_edges = 2 * MAX_DEPTH * self.R
+        self.path_edges = np.full((len(paths), max((len(p) for p in paths), default=1)), self.num_edges)
         for path, i in paths.items():
             line = MAIN
-            for depth, rank in path:
-                self.edges[i, (line * MAX_DEPTH + depth) * self.R + rank] = 1.0
+            for j, (depth, rank) in enumerate(path):
+                self.path_edges[i, j] = (line * MAX_DEPTH + depth) * self.R + rank
                 if rank:
                     line = OFF
         self.member = np.zeros((len(self.specs), len(paths)), dtype=bool)
@@ -130,7 +134,7 @@ class AcceptanceStats:
             self.member[c, mine] = True
         self.keep = np.array([c.num_draft_tokens - 1 for c in self.specs])
 
-    def relax(self, seq_ids: list[int], rate: float = 0.03) -> None:
+    def relax(self, seq_ids: list[int], rate: float = 0.01) -> None:
         """A round without drafts over these requests. Each one's own counts decay as in a
         speculative round (its estimate returns towards the engine-wide one) and the
         engine-wide counts drift back towards the optimistic prior: a few unlucky rounds
@@ -181,8 +185,9 @@ class AcceptanceStats:
     def expected_accept(self, seq_ids: list[int]) -> np.ndarray:
         """[B, C] expected tokens one round of each speculative candidate emits (bonus
         included) for each request: 1 + its best D-1 node values, all candidates at once."""
-        logq = np.log(self.acceptance(seq_ids)).reshape(len(seq_ids), -1)     # [B, 2 * MAX_DEPTH * R]
-        values = np.exp(logq @ self.edges.T)                                  # [B, N]
+        logq = np.zeros((len(seq_ids), self.num_edges + 1))                  # [B, 2 * MAX_DEPTH * R + 1]
+        logq[:, :-1] = np.log(self.acceptance(seq_ids)).reshape(len(seq_ids), -1)
+        values = np.exp(logq[:, self.path_edges].sum(axis=2))                 # [B, N]
         order = np.argsort(-values, axis=1, kind="stable")                   # best first
         ranked = np.take_along_axis(values, order, axis=1)                    # [B, N]
         allowed = self.member[:, order].transpose(1, 0, 2)                   # [B, C, N]
@@ -542,7 +547,7 @@ SWITCH_MARGIN = 0.03
 # speculative estimate has more ways to be wrong (acceptance, four phases' costs, the
 # drafter's catch-up), and losing to plain decoding is the one outcome the policy exists
 # to prevent.
-PLAIN_MARGIN = 0.03
+PLAIN_MARGIN = 0.08
 # After a switch between plain decoding and speculation the new choice is judged again
 # this soon, with its first measured rounds: a switch made on a wrong estimate costs two
 # rounds, not a full decision period.
