@@ -504,3 +504,23 @@ def test_engine_wide_acceptance_remembers_more_than_one_requests_last_rounds():
         stats.observe([1], *chain_outcome(0))
     assert stats.acceptance([NEW_REQUEST])[0, 0, 0, 0] > 0.6
     assert stats.acceptance([1])[0, 0, 0, 0] < 0.6           # the request's own, shorter memory
+
+
+def test_a_clear_winner_is_judged_again_less_often():
+    from branchspec.spec import policy as policy_mod
+
+    chain3 = SpecConfig.chain(3)
+    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
+    rates = {"none": 100.0, "chain D=3": 50.0}
+    runner.stats.expected_accept = lambda ids: np.ones((len(ids), 1))
+    runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
+    decisions = []
+    decide = runner._decide
+    runner._decide = lambda *a, **k: decisions.append(1) or decide(*a, **k)
+    for _ in range(8 * policy_mod.REDECIDE_EVERY):
+        assert runner.choose([1]) is None
+    assert len(decisions) == 2                                   # every 4 periods, not every one
+    rates["chain D=3"] = 95.0                                   # close: judged every period again
+    for _ in range(8 * policy_mod.REDECIDE_EVERY):
+        runner.choose([1])
+    assert len(decisions) >= 2 + 6

@@ -24,9 +24,14 @@ and runs the argmax. Both factors are measured, not assumed:
   depths no round has tried yet get tried. Plain rounds let that evidence fade, so a few
   unlucky rounds do not rule speculation out for good.
 * **Round time** (`CostModel`): the target's and the drafter's forward time at (batch,
-  tokens per request), measured once on this machine at start-up and cached on disk, then
-  composed per candidate (draft steps + verify + draft-extend, or one decode step), plus
-  each candidate's per-round overhead learned online from its measured round times.
+  tokens per request, committed context), measured once on this machine at start-up and
+  cached on disk, then composed per candidate (draft steps + verify + draft-extend, or one
+  decode step) at the batch's mean context, plus each candidate's per-round overhead
+  learned online from its measured round times.
+* **Margins**: the choice is the largest of many noisy estimates, so it is biased high.
+  Speculation must look `PLAIN_MARGIN` better than plain decoding, a new best must beat
+  the standing choice by `SWITCH_MARGIN`, and a switch between plain decoding and
+  speculation is judged again after `PROBE_ROUNDS` rounds.
 * **Catch-up**: plain rounds do not feed the drafter, and the prompts' drafter prefill
   waits when the engine-wide statistics expect plain decoding to win
   (`expects_speculation`), so speculating after them first costs one drafter pass over
@@ -366,12 +371,14 @@ class CostModel:
         return out
 
     def overhead(self, key: tuple[str, int]) -> float | None:
-        """Median of the counted overheads of (label, bucket); None before any."""
+        """Median of the counted overheads of (label, bucket), for plain decoding their lower
+        quartile; None before any. Erring high on plain decoding's cost, as a few slow
+        rounds after a large prefill make it, would pick speculation where it loses."""
         if key not in self._settled:
             seen = self.overheads.get(key)
             if not seen:
                 return None
-            self._settled[key] = statistics.median(seen)
+            self._settled[key] = sorted(seen)[(len(seen) - 1) // 4] if key[0] == "none" else statistics.median(seen)
         return self._settled[key]
 
     def _least(self, speculative: bool, bucket: int) -> float:
@@ -548,6 +555,8 @@ SWITCH_MARGIN = 0.03
 # drafter's catch-up), and losing to plain decoding is the one outcome the policy exists
 # to prevent.
 PLAIN_MARGIN = 0.08
+# A choice whose estimate leads every other by this much is judged again 4 times less often.
+CLEAR_LEAD = 1.15
 # After a switch between plain decoding and speculation the new choice is judged again
 # this soon, with its first measured rounds: a switch made on a wrong estimate costs two
 # rounds, not a full decision period.
@@ -582,6 +591,7 @@ class SpecPolicyRunner:
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
         self._switched = False
+        self._period_scale = 1
 
     def choose(self, seq_ids: list[int], lag: list[int] | None = None,
                remaining: list[int] | None = None, context: float | None = None) -> SpecConfig | None:
@@ -595,7 +605,8 @@ class SpecPolicyRunner:
         standing choice by `SWITCH_MARGIN`: near-ties are within the estimates' noise."""
         t0 = time.perf_counter()
         batch = tuple(seq_ids)
-        every = PROBE_ROUNDS if self._switched else max(REDECIDE_EVERY, len(seq_ids) // REDECIDE_PER_REQUESTS)
+        every = PROBE_ROUNDS if self._switched else \
+            self._period_scale * max(REDECIDE_EVERY, len(seq_ids) // REDECIDE_PER_REQUESTS)
         if batch == self._last_batch and self._rounds_since < every - 1:
             self._rounds_since += 1
             best = self.last_choice
@@ -650,6 +661,10 @@ class SpecPolicyRunner:
             if best_rate < (1 + SWITCH_MARGIN) * standing:
                 best = self.last_choice
         self._switched = (best is None) != (self.last_choice is None)
+        # A clear winner is checked less often: the estimates move by a few percent a round.
+        runner_up = np.partition(judged, -2)[-2] if len(judged) > 1 else 0.0
+        lead = judged[options.index(best)] / runner_up if runner_up > 0 else math.inf
+        self._period_scale = 4 if lead > CLEAR_LEAD else 1
         self.last_choice, self.last_estimate = best, estimate
         self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
         return best
