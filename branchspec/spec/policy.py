@@ -301,8 +301,8 @@ class CostModel:
             return lo + t * (hi - lo)
         return hi + (t - 1.0) * np.maximum(hi - lo, 0.0)     # beyond: never cheaper than measured
 
-    def _row(self, kind: int, batch: int, context: int) -> np.ndarray:
-        """[len(TOKENS)] forward seconds of the target (kind 0) or the drafter (kind 1) at
+    def _row(self, forward: int, batch: int, context: int) -> np.ndarray:
+        """[len(TOKENS)] forward seconds of the TARGET or the DRAFTER at
         `batch` over `context`, interpolated once per (batch, context)."""
         key = (batch, context)
         if key not in self._rows:
@@ -311,10 +311,10 @@ class CostModel:
             self._rows[key] = tuple(
                 scale * np.array([np.interp(x, lb, col) for col in self._over_context(grid, context).T])
                 for grid in (self.target, self.mtp))
-        return self._rows[key][kind]
+        return self._rows[key][forward]
 
-    def _at(self, kind: int, batch: int, tokens: int, context: int) -> float:
-        t = float(np.interp(min(tokens, self.TOKENS[-1]), self.TOKENS, self._row(kind, batch, context)))
+    def _at(self, forward: int, batch: int, tokens: int, context: int) -> float:
+        t = float(np.interp(min(tokens, self.TOKENS[-1]), self.TOKENS, self._row(forward, batch, context)))
         if tokens > self.TOKENS[-1]:
             t *= tokens / self.TOKENS[-1]
         return t
