@@ -167,6 +167,29 @@ def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
     assert e[0, 1] == pytest.approx(1 + 0.9 + 0.45 + 0.1)
 
 
+def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
+    """Every default candidate, random acceptance for three requests: 1 + the sum of the
+    D-1 largest path products among the nodes within its depth and branching."""
+    from branchspec.spec.policy import MAX_DEPTH, OFF, candidate_paths
+    policy = SpecConfig.auto()
+    stats = AcceptanceStats(policy)
+    rng = np.random.default_rng(0)
+    q = rng.uniform(0.05, 1.0, size=(3, 2, MAX_DEPTH, stats.R))
+    stats.acceptance = lambda ids: q[: len(ids)]
+    e = stats.expected_accept([1, 2, 3])
+    for c, spec in enumerate(policy.speculative):
+        for b in range(3):
+            values = []
+            for path in candidate_paths(spec):
+                value, line = 1.0, 0
+                for depth, rank in path:
+                    value *= q[b, line, depth, rank]
+                    line = OFF if rank else line
+                values.append(value)
+            best = sorted(values, reverse=True)[: spec.num_draft_tokens - 1]
+            assert e[b, c] == pytest.approx(1.0 + sum(best)), spec_label(spec)
+
+
 def test_observe_counts_tries_and_hits_by_depth_and_rank():
     tree = SpecConfig(2, 2, 5)
     stats = AcceptanceStats(AutoPolicy(candidates=(tree,), decay=0.5))
@@ -290,6 +313,34 @@ def test_a_shape_is_judged_by_its_kind_until_its_own_evidence_adds_up():
     for _ in range(30):
         runner._calibrate(tree_a, observed=1.0, predicted=4.0, batch=1)
     assert runner.calibration(tree_a) < 0.3
+
+
+def test_plain_rounds_applied_together_equal_one_at_a_time():
+    """Plain rounds are only counted as they come and applied when an estimate is next
+    needed: the result is that of applying them one by one, also across a batch change."""
+    from branchspec.spec.policy import calibration_keep
+    chain4, tree = SpecConfig.chain(4), SpecConfig(3, 2, 6)
+    policy = AutoPolicy(candidates=(None, chain4, tree))
+
+    def trained():
+        runner = SpecPolicyRunner(policy, flat_costs(10.0, 0.5))
+        runner._predicted_per_request = 3.0
+        for sid in (5, 6):
+            runner.last_choice = chain4
+            runner.observe(chain4, [sid], 0.013, *chain_outcome(1, depth=3), [2])
+        return runner
+
+    lazy, eager = trained(), trained()
+    for batch, rounds in (([5, 6], 7), ([5], 3)):
+        for _ in range(rounds):
+            lazy.observe(None, batch, 0.010)
+            eager.stats.relax(batch)
+            eager._fade_calibration(calibration_keep(len(batch)) ** 0.3)
+    assert lazy.calibration(chain4) == pytest.approx(eager.calibration(chain4), rel=1e-12)
+    assert lazy.calibration(tree) == pytest.approx(eager.calibration(tree), rel=1e-12)
+    np.testing.assert_allclose(lazy.stats.acceptance([5, 6, NEW_REQUEST]),
+                               eager.stats.acceptance([5, 6, NEW_REQUEST]), rtol=1e-12)
+    assert lazy.calibration(chain4) != pytest.approx(trained().calibration(chain4), rel=1e-3)
 
 
 def test_cost_model_learns_a_measured_round_overhead():

@@ -134,22 +134,29 @@ class AcceptanceStats:
                 self.path_edges[i, j] = (line * MAX_DEPTH + depth) * self.R + rank
                 if rank:
                     line = OFF
-        self.member = np.zeros((len(self.specs), len(paths)), dtype=bool)
-        for c, mine in enumerate(members):
-            self.member[c, mine] = True
+        # Candidates that differ only in D draw from the same nodes (those within their
+        # depth and branching): one [S, n] row of node columns per distinct node set,
+        # padded with len(paths), a node of value 0, and each candidate's set and count.
+        sets: dict[tuple[int, ...], int] = {}
+        self.member_set = np.array([sets.setdefault(tuple(m), len(sets)) for m in members], dtype=np.intp)
+        self.set_nodes = np.full((len(sets), max((len(m) for m in sets), default=1)), len(paths))
+        for nodes, i in sets.items():
+            self.set_nodes[i, :len(nodes)] = nodes
         self.keep = np.array([c.num_draft_tokens - 1 for c in self.specs])
+        self.keep_at = np.minimum(self.keep, self.set_nodes.shape[1]) - 1   # [C] cumsum index
 
-    def relax(self, seq_ids: list[int], rate: float = 0.01) -> None:
-        """A round without drafts over these requests. Each one's own counts decay as in a
-        speculative round (its estimate returns towards the engine-wide one) and the
-        engine-wide counts drift back towards the optimistic prior: a few unlucky rounds
-        do not rule speculation out for good, and after a run of plain rounds a
-        speculative one is tried again (the text, or the batch, may have changed)."""
+    def relax(self, seq_ids: list[int], rounds: int = 1, rate: float = 0.01) -> None:
+        """`rounds` rounds without drafts over these requests. Each one's own counts decay
+        as in a speculative round (its estimate returns towards the engine-wide one) and
+        the engine-wide counts drift back towards the optimistic prior by `rate` a round:
+        a few unlucky rounds do not rule speculation out for good, and after a run of plain
+        rounds a speculative one is tried again (the text, or the batch, may have changed)."""
+        keep, drift = self.policy.decay ** rounds, (1.0 - rate) ** rounds
         rows = self._lookup(seq_ids)
-        self._hits[rows] *= self.policy.decay
-        self._tries[rows] *= self.policy.decay
-        self.global_hits = (1 - rate) * self.global_hits + rate * self.prior_hits
-        self.global_tries = (1 - rate) * self.global_tries + rate * self.prior_tries
+        self._hits[rows] *= keep
+        self._tries[rows] *= keep
+        self.global_hits = drift * self.global_hits + (1.0 - drift) * self.prior_hits
+        self.global_tries = drift * self.global_tries + (1.0 - drift) * self.prior_tries
 
     def _lookup(self, seq_ids: list[int]) -> np.ndarray:
         """Each request's row, 0 (all zero) for one without counts."""
@@ -189,15 +196,16 @@ class AcceptanceStats:
 
     def expected_accept(self, seq_ids: list[int]) -> np.ndarray:
         """[B, C] expected tokens one round of each speculative candidate emits (bonus
-        included) for each request: 1 + its best D-1 node values, all candidates at once."""
-        logq = np.zeros((len(seq_ids), self.num_edges + 1))                  # [B, 2 * MAX_DEPTH * R + 1]
-        logq[:, :-1] = np.log(self.acceptance(seq_ids)).reshape(len(seq_ids), -1)
-        values = np.exp(logq[:, self.path_edges].sum(axis=2))                 # [B, N]
-        order = np.argsort(-values, axis=1, kind="stable")                   # best first
-        ranked = np.take_along_axis(values, order, axis=1)                    # [B, N]
-        allowed = self.member[:, order].transpose(1, 0, 2)                   # [B, C, N]
-        taken = allowed & (np.cumsum(allowed, axis=2) <= self.keep[None, :, None])
-        return 1.0 + (taken * ranked[:, None, :]).sum(axis=2)
+        included) for each request: 1 + its best D-1 node values, all candidates at once.
+        A node's value is at most its parent's, so the best D-1 always form a tree."""
+        B = len(seq_ids)
+        logq = np.zeros((B, self.num_edges + 1))                              # [B, 2 * MAX_DEPTH * R + 1]
+        logq[:, :-1] = np.log(self.acceptance(seq_ids)).reshape(B, -1)
+        values = np.zeros((B, len(self.path_edges) + 1))                     # [B, N + 1], last: padding
+        values[:, :-1] = np.exp(logq[:, self.path_edges].sum(axis=2))
+        ranked = -np.sort(-values[:, self.set_nodes], axis=2)                # [B, S, n] best first
+        best = np.cumsum(ranked, axis=2)                                     # [B, S, n]
+        return 1.0 + best[:, self.member_set, self.keep_at]
 
     def observe(self, seq_ids: list[int], children: torch.Tensor, targets: torch.Tensor) -> None:
         """One verified round. children: [B, D, k] the drafter's proposals after each node
@@ -534,7 +542,7 @@ def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> Cos
 
 # Pseudo-tokens both sides of a kind's (chain, tree) accept calibration start with, so a
 # few unlucky rounds do not condemn it.
-CALIBRATION_PRIOR = 16.0
+CALIBRATION_PRIOR = 64.0
 # A candidate's own calibration is shrunk towards its kind's with this many predicted
 # tokens' weight. In every speculative round, the evidence of the shapes and of the kind
 # that did not run fades by CALIBRATION_FADE (a kind's back towards level): the rounds a
@@ -543,6 +551,11 @@ CALIBRATION_PRIOR = 16.0
 # never measured again, would otherwise stay low for good.
 LABEL_WEIGHT = 8.0
 CALIBRATION_FADE = 0.98
+# The calibrations remember about this many request-rounds, and at least ten rounds: at
+# batch 1 a round's accepted tokens vary by about their mean, so the last ten rounds of one
+# request would swing a calibration by a fifth either way; at batch 64 ten rounds are 640
+# request-rounds.
+CALIBRATION_MEMORY = 50
 # The estimates are recomputed every this many rounds while the batch stays the same, or
 # every batch / REDECIDE_PER_REQUESTS rounds if that is more: a large batch's estimate
 # moves slowly and costs more to recompute.
@@ -561,6 +574,11 @@ CLEAR_LEAD = 1.15
 # this soon, with its first measured rounds: a switch made on a wrong estimate costs two
 # rounds, not a full decision period.
 PROBE_ROUNDS = 2
+
+
+def calibration_keep(batch: int) -> float:
+    """How much of the calibrations' evidence one round over `batch` requests keeps."""
+    return min(1.0 - 1.0 / CALIBRATION_MEMORY, max(0.9, 1.0 - batch / CALIBRATION_MEMORY))
 
 
 @functools.lru_cache(maxsize=None)
@@ -591,6 +609,10 @@ class SpecPolicyRunner:
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
         self._switched = False
+        # Plain rounds over one batch not yet applied to the statistics: they only make
+        # estimates drift, so they are applied together when an estimate is next needed.
+        self._plain_batch: tuple[int, ...] | None = None
+        self._plain_rounds = 0
         self._period_scale = 1
 
     def choose(self, seq_ids: list[int], lag: list[int] | None = None,
@@ -624,6 +646,7 @@ class SpecPolicyRunner:
         prefill, or only if a speculative round comes."""
         if not self.stats.specs:
             return False
+        self._settle_plain()
         B = max(1, batch)
         plain = B / self.costs.round_seconds(None, B, context) if None in self.policy.candidates else 0.0
         tokens, seconds = self._speculative(B * self.stats.expected_accept([NEW_REQUEST])[0], B, context)
@@ -631,6 +654,7 @@ class SpecPolicyRunner:
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
                 remaining: list[int] | None = None, context: float | None = None) -> SpecConfig | None:
+        self._settle_plain()
         B = len(seq_ids)
         specs = self.stats.specs
         options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
@@ -683,15 +707,30 @@ class SpecPolicyRunner:
         and the path lengths. context: the requests' mean committed length before it."""
         t0 = time.perf_counter()
         self.costs.observe(spec, len(seq_ids), seconds, context)
-        if spec is not None and children is not None:
+        if spec is None:
+            batch = tuple(seq_ids)
+            if batch != self._plain_batch:
+                self._settle_plain()
+                self._plain_batch = batch
+            self._plain_rounds += 1
+        elif children is not None:
+            self._settle_plain()
             self.stats.observe(seq_ids, children, targets)
             if self._predicted_per_request is not None and spec is self.last_choice:
                 self._calibrate(spec, float(sum(path_len)), self._predicted_per_request * len(seq_ids),
-                                len(seq_ids))
-        elif spec is None:
-            self.stats.relax(seq_ids)
-            self._relax_calibration()
+                                len(seq_ids), keep=calibration_keep(len(seq_ids)))
         self.decide_seconds += time.perf_counter() - t0
+
+    def _settle_plain(self) -> None:
+        """Apply the plain rounds seen since the last estimate: each request's acceptance
+        decays, the engine-wide acceptance drifts towards the prior and every calibration
+        towards level (about a third as fast as a speculative round's evidence is
+        forgotten), exactly as one round at a time would."""
+        if self._plain_rounds:
+            batch, n = self._plain_batch, self._plain_rounds
+            self.stats.relax(list(batch), rounds=n)
+            self._fade_calibration(calibration_keep(len(batch)) ** (0.3 * n))
+        self._plain_batch, self._plain_rounds = None, 0
 
     def calibration(self, spec: SpecConfig) -> float:
         """Observed / predicted drafted tokens accepted: the kind's (chain or tree) ratio of
@@ -699,6 +738,7 @@ class SpecPolicyRunner:
         candidate's own evidence (`LABEL_WEIGHT`). It absorbs what the positional model
         misses: EAGLE-2 picks each round's tree by that round's draft confidence, and
         acceptance at one depth is not independent of the next."""
+        self._settle_plain()
         seen, predicted = self.accept_sums.get(_kind(spec), (1.0, 1.0))
         level = seen / predicted
         own = self.accept_sums.get(_label(spec))
@@ -716,11 +756,6 @@ class SpecPolicyRunner:
         seen, pred = self.accept_sums.get(kind, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
         self.accept_sums[kind] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
 
-    def _relax_calibration(self) -> None:
-        """A plain round: every calibration drifts back towards level (a candidate's own
-        towards its kind's), so one that a few rounds set low is checked again later."""
-        self._fade_calibration(0.97)
-
     def _fade_calibration(self, keep: float, skip: tuple[str, ...] = ()) -> None:
         """Each kind's sums drift towards level by 1 - keep, and each shape's own evidence
         fades by `keep`; those named in `skip` (the ones that just ran) excepted."""
@@ -734,4 +769,5 @@ class SpecPolicyRunner:
                 self.accept_sums[key] = (keep * seen, keep * predicted)
 
     def forget(self, seq_id: int) -> None:
+        self._settle_plain()
         self.stats.forget(seq_id)
