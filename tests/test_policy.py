@@ -318,13 +318,13 @@ def test_a_shape_is_judged_by_its_kind_until_its_own_evidence_adds_up():
 def test_plain_rounds_applied_together_equal_one_at_a_time():
     """Plain rounds are only counted as they come and applied when an estimate is next
     needed: the result is that of applying them one by one, also across a batch change."""
-    from branchspec.spec.policy import PLAIN_RELAX_POWER, calibration_keep
+    from branchspec.spec.policy import calibration_keep
     chain4, tree = SpecConfig.chain(4), SpecConfig(3, 2, 6)
     policy = AutoPolicy(candidates=(None, chain4, tree))
 
     def trained():
         runner = SpecPolicyRunner(policy, flat_costs(10.0, 0.5))
-        runner._predicted_per_request, runner._promised_rate = 3.0, 300.0
+        runner._predicted_per_request = 3.0
         for sid in (5, 6):
             runner.last_choice = chain4
             runner.observe(chain4, [sid], 0.013, *chain_outcome(1, depth=3), [2])
@@ -335,39 +335,12 @@ def test_plain_rounds_applied_together_equal_one_at_a_time():
         for _ in range(rounds):
             lazy.observe(None, batch, 0.010)
             eager.stats.relax(batch)
-            keep = calibration_keep(len(batch)) ** PLAIN_RELAX_POWER
-            eager._fade_calibration(keep)
-            eager._realize(len(batch), 0.0, 0.0, keep)
+            eager._fade_calibration(calibration_keep(len(batch)) ** 0.3)
     assert lazy.calibration(chain4) == pytest.approx(eager.calibration(chain4), rel=1e-12)
     assert lazy.calibration(tree) == pytest.approx(eager.calibration(tree), rel=1e-12)
-    assert lazy.realization(1) == pytest.approx(eager.realization(1), rel=1e-12) != 1.0
     np.testing.assert_allclose(lazy.stats.acceptance([5, 6, NEW_REQUEST]),
                                eager.stats.acceptance([5, 6, NEW_REQUEST]), rtol=1e-12)
     assert lazy.calibration(chain4) != pytest.approx(trained().calibration(chain4), rel=1e-3)
-
-
-def test_realization_measures_what_chosen_estimates_delivered_per_batch_size():
-    """Speculative rounds that deliver less than their estimate promised at one batch size
-    scale every speculative estimate there down, and only there; plain rounds let it
-    drift back towards level."""
-    chain4 = SpecConfig.chain(4)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
-    ids = [0, 1, 2, 3]
-    assert runner.choose(ids) == chain4 and runner.realization(4) == 1.0
-    promised = runner._promised_rate
-    children, targets = chain_outcome(1, depth=3)
-    for _ in range(10):     # half the promised tokens per second
-        seconds = 4 * 2 / (0.5 * promised)
-        runner.observe(chain4, ids, seconds, children.repeat(4, 1, 1), targets.repeat(4, 1), [2] * 4)
-    low = runner.realization(4)
-    assert 0.5 < low < 0.75
-    assert runner.realization(1) == 1.0 and runner.realization(64) == 1.0
-    runner._decide(ids)
-    tokens, seconds = runner._speculative(runner.stats.expected_accept(ids).sum(axis=0), 4)
-    assert runner.last_estimate["chain D=4"] == pytest.approx(low * tokens[0] / seconds[0])
-    for _ in range(50):
-        runner.observe(None, ids, 0.010)
-    assert low < runner.realization(4) < 1.0
 
 
 def test_cost_model_learns_a_measured_round_overhead():

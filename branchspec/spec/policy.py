@@ -28,13 +28,10 @@ and runs the argmax. Both factors are measured, not assumed:
   cached on disk, then composed per candidate (draft steps + verify + draft-extend, or one
   decode step) at the batch's mean context, plus each candidate's per-round overhead
   learned online from its measured round times.
-* **Realization and margins**: the choice is the largest of many noisy estimates, so it
-  is biased high, by an amount that depends on the batch size. Per batch bucket the
-  policy measures what the speculative rounds it chose delivered against what their
-  estimates promised (`realization`), and scales every speculative estimate at that size
-  by it. Speculation must then still look `PLAIN_MARGIN` better than plain decoding, a
-  new best must beat the standing choice by `SWITCH_MARGIN`, and a switch between plain
-  decoding and speculation is judged again after `PROBE_ROUNDS` rounds.
+* **Margins**: the choice is the largest of many noisy estimates, so it is biased high.
+  Speculation must look `PLAIN_MARGIN` better than plain decoding, a new best must beat
+  the standing choice by `SWITCH_MARGIN`, and a switch between plain decoding and
+  speculation is judged again after `PROBE_ROUNDS` rounds.
 * **Catch-up**: plain rounds do not feed the drafter, and the prompts' drafter prefill
   waits when the engine-wide statistics expect plain decoding to win
   (`expects_speculation`), so speculating after them first costs one drafter pass over
@@ -73,10 +70,6 @@ PRIOR_RANK1 = 0.6
 
 # The engine-wide acceptance statistics remember at least about this many rounds.
 GLOBAL_MEMORY = 100
-# In a plain round they drift this much back towards the prior, and the calibrations
-# towards level at this power of a speculative round's fading (`calibration_keep`).
-PLAIN_DRIFT = 0.002
-PLAIN_RELAX_POWER = 0.1
 
 # Acceptance is kept apart for nodes whose parent is on the drafter's main line (every
 # node above it was its parent's top proposal: the chain) and for the others: after the
@@ -152,13 +145,12 @@ class AcceptanceStats:
         self.keep = np.array([c.num_draft_tokens - 1 for c in self.specs])
         self.keep_at = np.minimum(self.keep, self.set_nodes.shape[1]) - 1   # [C] cumsum index
 
-    def relax(self, seq_ids: list[int], rounds: int = 1, rate: float | None = None) -> None:
+    def relax(self, seq_ids: list[int], rounds: int = 1, rate: float = 0.01) -> None:
         """`rounds` rounds without drafts over these requests. Each one's own counts decay
         as in a speculative round (its estimate returns towards the engine-wide one) and
         the engine-wide counts drift back towards the optimistic prior by `rate` a round:
         a few unlucky rounds do not rule speculation out for good, and after a run of plain
         rounds a speculative one is tried again (the text, or the batch, may have changed)."""
-        rate = PLAIN_DRIFT if rate is None else rate
         keep, drift = self.policy.decay ** rounds, (1.0 - rate) ** rounds
         rows = self._lookup(seq_ids)
         self._hits[rows] *= keep
@@ -575,9 +567,7 @@ SWITCH_MARGIN = 0.03
 # speculative estimate has more ways to be wrong (acceptance, four phases' costs, the
 # drafter's catch-up), and losing to plain decoding is the one outcome the policy exists
 # to prevent.
-PLAIN_MARGIN = 0.04
-# Pseudo-tokens both sides of a batch bucket's realization (delivered / promised) start with.
-REALIZATION_PRIOR = 64.0
+PLAIN_MARGIN = 0.08
 # A choice whose estimate leads every other by this much is judged again 4 times less often.
 CLEAR_LEAD = 1.15
 # After a switch between plain decoding and speculation the new choice is judged again
@@ -616,10 +606,6 @@ class SpecPolicyRunner:
         # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
         self.accept_sums: dict[str, tuple[float, float]] = {}
         self._predicted_per_request: float | None = None
-        # Per batch bucket: (tokens speculative rounds emitted, tokens their estimates
-        # promised in the same time), decayed sums that start level (`REALIZATION_PRIOR`).
-        self.realized: dict[int, tuple[float, float]] = {}
-        self._promised_rate: float | None = None
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
         self._switched = False
@@ -664,7 +650,7 @@ class SpecPolicyRunner:
         B = max(1, batch)
         plain = B / self.costs.round_seconds(None, B, context) if None in self.policy.candidates else 0.0
         tokens, seconds = self._speculative(B * self.stats.expected_accept([NEW_REQUEST])[0], B, context)
-        return bool(self.realization(B) * (tokens / seconds).max() > (1 + PLAIN_MARGIN) * plain)
+        return bool((tokens / seconds).max() > (1 + PLAIN_MARGIN) * plain)
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
                 remaining: list[int] | None = None, context: float | None = None) -> SpecConfig | None:
@@ -682,13 +668,12 @@ class SpecPolicyRunner:
                 per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
             tokens, seconds = self._speculative(emitted, B, context)
-            promised = tokens / seconds
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
                 seconds = seconds + self.costs.catch_up_seconds(B, max(lag), context) / np.maximum(1.0, left * B / tokens)
-            rates[len(options) - len(specs):] = self.realization(B) * tokens / seconds
+            rates[len(options) - len(specs):] = tokens / seconds
         estimate = {_label(spec): float(rate) for spec, rate in zip(options, rates)}
         judged = rates.copy()
         if options[0] is None:
@@ -706,7 +691,6 @@ class SpecPolicyRunner:
         self._period_scale = 4 if lead > CLEAR_LEAD else 1
         self.last_choice, self.last_estimate = best, estimate
         self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
-        self._promised_rate = None if best is None else float(promised[specs.index(best)])
         return best
 
     def _speculative(self, emitted: np.ndarray, B: int, context: float | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -733,10 +717,8 @@ class SpecPolicyRunner:
             self._settle_plain()
             self.stats.observe(seq_ids, children, targets)
             if self._predicted_per_request is not None and spec is self.last_choice:
-                keep = calibration_keep(len(seq_ids))
                 self._calibrate(spec, float(sum(path_len)), self._predicted_per_request * len(seq_ids),
-                                len(seq_ids), keep=keep)
-                self._realize(len(seq_ids), float(sum(path_len)), self._promised_rate * seconds, keep)
+                                len(seq_ids), keep=calibration_keep(len(seq_ids)))
         self.decide_seconds += time.perf_counter() - t0
 
     def _settle_plain(self) -> None:
@@ -747,31 +729,8 @@ class SpecPolicyRunner:
         if self._plain_rounds:
             batch, n = self._plain_batch, self._plain_rounds
             self.stats.relax(list(batch), rounds=n)
-            keep = calibration_keep(len(batch)) ** (PLAIN_RELAX_POWER * n)
-            self._fade_calibration(keep)
-            self._realize(len(batch), 0.0, 0.0, keep)
+            self._fade_calibration(calibration_keep(len(batch)) ** (0.3 * n))
         self._plain_batch, self._plain_rounds = None, 0
-
-    def realization(self, batch: int) -> float:
-        """Tokens per second speculative rounds at this batch size delivered / what their
-        estimates promised (at the moment the policy chose them). The chosen candidate is
-        the largest of some thirty noisy estimates, so its estimate is biased high, and by
-        how much depends on the batch size (how noisy the estimates are, how much of the
-        round the forwards are). Measured here, per batch bucket, and applied to every
-        speculative estimate at that size."""
-        self._settle_plain()
-        done, promised = self.realized.get(self.costs.bucket(batch), (REALIZATION_PRIOR, REALIZATION_PRIOR))
-        return done / promised
-
-    def _realize(self, batch: int, done: float, promised: float, keep: float) -> None:
-        """One speculative round's emitted and promised tokens (0, 0 for plain rounds, which
-        only let the evidence fade back towards level)."""
-        bucket = self.costs.bucket(batch)
-        d, p = self.realized.get(bucket, (REALIZATION_PRIOR, REALIZATION_PRIOR))
-        if promised > 0:
-            self.realized[bucket] = (keep * d + done, keep * p + promised)
-        else:
-            self.realized[bucket] = (keep * d + (1 - keep) * REALIZATION_PRIOR, keep * p + (1 - keep) * REALIZATION_PRIOR)
 
     def calibration(self, spec: SpecConfig) -> float:
         """Observed / predicted drafted tokens accepted: the kind's (chain or tree) ratio of
