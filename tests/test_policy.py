@@ -318,7 +318,7 @@ def test_a_shape_is_judged_by_its_kind_until_its_own_evidence_adds_up():
 def test_plain_rounds_applied_together_equal_one_at_a_time():
     """Plain rounds are only counted as they come and applied when an estimate is next
     needed: the result is that of applying them one by one, also across a batch change."""
-    from branchspec.spec.policy import calibration_keep
+    from branchspec.spec.policy import PLAIN_FADE
     chain4, tree = SpecConfig.chain(4), SpecConfig(3, 2, 6)
     policy = AutoPolicy(candidates=(None, chain4, tree))
 
@@ -335,7 +335,7 @@ def test_plain_rounds_applied_together_equal_one_at_a_time():
         for _ in range(rounds):
             lazy.observe(None, batch, 0.010)
             eager.stats.relax(batch)
-            eager._fade_calibration(calibration_keep(len(batch)) ** 0.3)
+            eager._fade_calibration(PLAIN_FADE)
     assert lazy.calibration(chain4) == pytest.approx(eager.calibration(chain4), rel=1e-12)
     assert lazy.calibration(tree) == pytest.approx(eager.calibration(tree), rel=1e-12)
     np.testing.assert_allclose(lazy.stats.acceptance([5, 6, NEW_REQUEST]),

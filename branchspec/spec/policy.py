@@ -542,7 +542,7 @@ def load_or_calibrate(model, max_batch_size: int, progress: bool = False) -> Cos
 
 # Pseudo-tokens both sides of a kind's (chain, tree) accept calibration start with, so a
 # few unlucky rounds do not condemn it.
-CALIBRATION_PRIOR = 64.0
+CALIBRATION_PRIOR = 16.0
 # A candidate's own calibration is shrunk towards its kind's with this many predicted
 # tokens' weight. In every speculative round, the evidence of the shapes and of the kind
 # that did not run fades by CALIBRATION_FADE (a kind's back towards level): the rounds a
@@ -551,11 +551,8 @@ CALIBRATION_PRIOR = 64.0
 # never measured again, would otherwise stay low for good.
 LABEL_WEIGHT = 8.0
 CALIBRATION_FADE = 0.98
-# The calibrations remember about this many request-rounds, and at least ten rounds: at
-# batch 1 a round's accepted tokens vary by about their mean, so the last ten rounds of one
-# request would swing a calibration by a fifth either way; at batch 64 ten rounds are 640
-# request-rounds.
-CALIBRATION_MEMORY = 50
+# In a plain round every calibration drifts this much of the way back towards level.
+PLAIN_FADE = 0.97
 # The estimates are recomputed every this many rounds while the batch stays the same, or
 # every batch / REDECIDE_PER_REQUESTS rounds if that is more: a large batch's estimate
 # moves slowly and costs more to recompute.
@@ -574,11 +571,6 @@ CLEAR_LEAD = 1.15
 # this soon, with its first measured rounds: a switch made on a wrong estimate costs two
 # rounds, not a full decision period.
 PROBE_ROUNDS = 2
-
-
-def calibration_keep(batch: int) -> float:
-    """How much of the calibrations' evidence one round over `batch` requests keeps."""
-    return min(1.0 - 1.0 / CALIBRATION_MEMORY, max(0.9, 1.0 - batch / CALIBRATION_MEMORY))
 
 
 @functools.lru_cache(maxsize=None)
@@ -718,18 +710,17 @@ class SpecPolicyRunner:
             self.stats.observe(seq_ids, children, targets)
             if self._predicted_per_request is not None and spec is self.last_choice:
                 self._calibrate(spec, float(sum(path_len)), self._predicted_per_request * len(seq_ids),
-                                len(seq_ids), keep=calibration_keep(len(seq_ids)))
+                                len(seq_ids))
         self.decide_seconds += time.perf_counter() - t0
 
     def _settle_plain(self) -> None:
         """Apply the plain rounds seen since the last estimate: each request's acceptance
         decays, the engine-wide acceptance drifts towards the prior and every calibration
-        towards level (about a third as fast as a speculative round's evidence is
-        forgotten), exactly as one round at a time would."""
+        towards level (by `PLAIN_FADE` a round), exactly as one round at a time would."""
         if self._plain_rounds:
             batch, n = self._plain_batch, self._plain_rounds
             self.stats.relax(list(batch), rounds=n)
-            self._fade_calibration(calibration_keep(len(batch)) ** (0.3 * n))
+            self._fade_calibration(PLAIN_FADE ** n)
         self._plain_batch, self._plain_rounds = None, 0
 
     def calibration(self, spec: SpecConfig) -> float:
