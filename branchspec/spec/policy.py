@@ -142,8 +142,9 @@ class AcceptanceStats:
         self.set_nodes = np.full((len(sets), max((len(m) for m in sets), default=1)), len(paths))
         for nodes, i in sets.items():
             self.set_nodes[i, :len(nodes)] = nodes
-        self.keep = np.array([c.num_draft_tokens - 1 for c in self.specs])
-        self.keep_at = np.minimum(self.keep, self.set_nodes.shape[1]) - 1   # [C] cumsum index
+        # [C] where each candidate's best D-1 end in its set's cumulative sum
+        self.keep_at = np.minimum(np.array([c.num_draft_tokens - 1 for c in self.specs], dtype=np.intp),
+                                  self.set_nodes.shape[1]) - 1
 
     def relax(self, seq_ids: list[int], rounds: int = 1, rate: float = 0.01) -> None:
         """`rounds` rounds without drafts over these requests. Each one's own counts decay
