@@ -23,6 +23,7 @@ from branchspec.bench.report import (
 from branchspec.bench.study import StudyConfig, run_study
 from branchspec.config import tiny_config
 from branchspec.data import workloads as wl
+from branchspec.data.workloads import mbpp as mbpp_source
 from branchspec.engine.runner import ROUND_PHASES
 from branchspec.model.weights import random_model, save_checkpoint
 
@@ -108,11 +109,11 @@ def no_mbpp(monkeypatch, tmp_path):
     def not_cached(*, local_files_only):
         raise FileNotFoundError("MBPP is not in the Hugging Face cache")
 
-    monkeypatch.setattr(wl, "_download_mbpp", not_cached)
+    monkeypatch.setattr(mbpp_source, "_download_mbpp", not_cached)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    wl._mbpp_from_hub.cache_clear()
+    mbpp_source._mbpp_from_hub.cache_clear()
     yield
-    wl._mbpp_from_hub.cache_clear()
+    mbpp_source._mbpp_from_hub.cache_clear()
 
 
 def test_cli_prints_tables_then_one_json_line(study, tiny_ckpt, monkeypatch, capsys, no_mbpp):

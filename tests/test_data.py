@@ -15,6 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from branchspec.data import workloads as wl
+from branchspec.data.workloads import gsm8k as gsm8k_source
+from branchspec.data.workloads import mbpp as mbpp_source
+from branchspec.data.workloads import sharegpt as sharegpt_source
 from branchspec.data.workloads import (
     WORKLOADS,
     Example,
@@ -99,7 +102,7 @@ def test_gsm8k_split_and_format() -> None:
     assert ex.prompt.startswith("Question: ") and ex.prompt.endswith("\nAnswer:")
     assert ex.completion.startswith(" ") and "\n#### " in ex.completion
 
-    wl._gsm8k.cache_clear()  # a fresh parse assigns the same splits
+    gsm8k_source._gsm8k.cache_clear()  # a fresh parse assigns the same splits
     assert [e.uid for e in load_workload("gsm8k", "eval")] == [e.uid for e in held_out]
 
     questions = {e.prompt for e in held_out}
@@ -168,9 +171,9 @@ def no_local_mbpp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    wl._mbpp_from_hub.cache_clear()
+    mbpp_source._mbpp_from_hub.cache_clear()
     yield
-    wl._mbpp_from_hub.cache_clear()
+    mbpp_source._mbpp_from_hub.cache_clear()
 
 
 def test_mbpp_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_local_mbpp) -> None:
@@ -218,7 +221,7 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_local_mbpp):
             raise hub.fail
         return hub.paths
 
-    monkeypatch.setattr(wl, "_download_mbpp", download)
+    monkeypatch.setattr(mbpp_source, "_download_mbpp", download)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     return hub
@@ -271,12 +274,12 @@ def test_mbpp_download_asks_the_hub_once_before_downloading(monkeypatch: pytest.
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo_id, filename, **kw: calls.append((repo_id, filename, kw)) or f"/cache/{filename}")
     monkeypatch.delenv("HF_HUB_ETAG_TIMEOUT", raising=False)
-    assert wl._download_mbpp(local_files_only=True) == [f"/cache/{f}" for f in wl.MBPP_HUB_FILES]
+    assert mbpp_source._download_mbpp(local_files_only=True) == [f"/cache/{f}" for f in wl.MBPP_HUB_FILES]
     assert calls == [(wl.MBPP_HUB_NAME, f, {"repo_type": "dataset", "local_files_only": True,
                                            "etag_timeout": wl.MBPP_HUB_TIMEOUT}) for f in wl.MBPP_HUB_FILES]
     calls.clear()
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "7")
-    wl._download_mbpp(local_files_only=False)
+    mbpp_source._download_mbpp(local_files_only=False)
     (kind, url, timeout), *downloads = calls
     assert kind == "probe" and timeout == 7.0
     assert url.endswith("/datasets/google-research-datasets/mbpp/resolve/main/full/train-00000-of-00001.parquet")
@@ -343,7 +346,7 @@ def test_json_array_reader_is_chunk_size_independent() -> None:
 
 
 def test_sharegpt_packaged_file() -> None:
-    conversations, stats = wl._sharegpt_parsed()
+    conversations, stats = sharegpt_source._sharegpt_parsed()
     assert 17_000 < stats.num_records < 18_000 and stats.truncated_chars > 0
     assert stats.num_kept == len(conversations) > 17_000
     for conv in conversations:
