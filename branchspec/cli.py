@@ -220,7 +220,7 @@ def _add_train(sub):
                    help="training-step precision; auto takes bfloat16 only on CPUs with AMX or AVX512-BF16, "
                         "and only if a timed probe of the model finds it faster")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (about 1.3x here)")
-    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl, else the Hugging Face hub)")
+    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else the Hugging Face hub)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/state.pt, else from OUT's compact pack (resume.safetensors + resume.json)")
     p.add_argument("--stop-after", type=int, default=None, help="stop (state saved) after this many steps of this run")

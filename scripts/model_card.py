@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16, help="held-out windows of 512 tokens per workload")
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--mbpp-path", default=None)
+    ap.add_argument("--mbpp-path", default=None,
+                    help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else the Hugging Face hub)")
     ap.add_argument("--loop-prompts", type=int, default=32, help="held-out prompts per workload for the loop check")
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts in the loop check")
     args = ap.parse_args()

@@ -14,8 +14,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from branchspec.config import tiny_config, tiny_v4_config  # noqa: E402
+from branchspec.data.workloads import MBPP_ENV_VAR  # noqa: E402
 from branchspec.model.weights import random_model, save_checkpoint  # noqa: E402
 from branchspec.train.losses import train_steps  # noqa: E402
+
+# The real MBPP, for the tests that read it: library code has no default location, so this
+# project's copy (../shared/data/mbpp.jsonl beside the checkout, found from this file, not
+# the working directory) is named through the environment when it exists. Without it
+# those tests skip, and the rest use MBPP-shaped files of their own.
+SHARED_MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp.jsonl"
+if SHARED_MBPP.is_file():
+    os.environ.setdefault(MBPP_ENV_VAR, str(SHARED_MBPP))
 
 
 # The two model families every equivalence test runs on: the plain model (one residual

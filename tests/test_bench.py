@@ -100,8 +100,8 @@ def test_plots_are_png_files(study):
 
 @pytest.fixture
 def no_mbpp(monkeypatch, tmp_path):
-    """No MBPP source at all: no env var, no ../shared beside the working directory, and a
-    Hugging Face cache without it (offline, so the hub is not asked)."""
+    """No MBPP source at all: no env var, and a Hugging Face cache without it (offline, so
+    the hub is not asked). The working directory is a fresh folder."""
     monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
@@ -181,7 +181,7 @@ def test_mbpp_asked_for_but_missing_fails_before_any_work(argv, messages, tiny_c
 
 def test_readme_quick_command_runs_without_mbpp(tmp_path):
     """The README's main command, `branchspec bench --quick` (shrunk), on a machine without
-    MBPP: no ../shared, no $BRANCHSPEC_MBPP, offline. It runs the other workloads, says so
+    MBPP: no $BRANCHSPEC_MBPP, offline, an empty cache. It runs the other workloads, says so
     in one line on stderr and the same line in report.md, and exits 0."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()

@@ -30,13 +30,14 @@ from branchspec.data.workloads import (
 )
 from conftest import mbpp_rows, write_mbpp
 
-# The real MBPP, only for the checks of its published content: $BRANCHSPEC_MBPP, else
-# ../shared/data/mbpp.jsonl beside the checkout (tests/ -> repository -> its parent). Every
+# The real MBPP, only for the checks of its published content: $BRANCHSPEC_MBPP, which
+# conftest.py sets to ../shared/data/mbpp.jsonl beside the checkout when that exists. Every
 # other MBPP test writes an MBPP-shaped file of its own.
-REAL_MBPP = Path(os.environ.get(wl.MBPP_ENV_VAR)
-                 or Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp.jsonl")
-needs_real_mbpp = pytest.mark.skipif(not REAL_MBPP.is_file(), reason=f"the real MBPP file is not at {REAL_MBPP} "
-                                     f"(set ${wl.MBPP_ENV_VAR} to run this)")
+REAL_MBPP = Path(os.environ.get(wl.MBPP_ENV_VAR) or "/nonexistent/mbpp.jsonl")
+needs_real_mbpp = pytest.mark.skipif(
+    not REAL_MBPP.is_file(),
+    reason=f"no real MBPP file: ${wl.MBPP_ENV_VAR} is unset or names a missing file (set it to an mbpp.jsonl "
+           "to run this)")
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +137,15 @@ def test_real_mbpp_has_the_published_tasks() -> None:
     assert ex.completion.startswith("def remove_Occ") and "\r" not in ex.completion
 
 
-def test_mbpp_path_from_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mbpp_file: Path) -> None:
+def test_mbpp_path_from_env_var(monkeypatch: pytest.MonkeyPatch, mbpp_file: Path) -> None:
     monkeypatch.setenv(wl.MBPP_ENV_VAR, str(mbpp_file))
-    monkeypatch.chdir(tmp_path)  # no ../shared here: the env var must be what is used
     assert len(load_workload("mbpp", "eval")) == 500
 
 
-def test_mbpp_default_path_is_shared_next_to_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    write_mbpp(tmp_path / "shared" / "data" / "mbpp.jsonl", task_ids=(700, 5, 20))
-    (tmp_path / "repo").mkdir()
-    monkeypatch.chdir(tmp_path / "repo")
-    monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
+def test_mbpp_explicit_path_wins_over_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(wl.MBPP_ENV_VAR, str(write_mbpp(tmp_path / "env" / "mbpp.jsonl", task_ids=(700, 5, 20))))
+    named = write_mbpp(tmp_path / "named" / "mbpp.jsonl", task_ids=(701, 21))
+    assert [e.uid for e in load_workload("mbpp", "train", mbpp_path=named)] == ["mbpp-701"]
     assert [e.uid for e in load_workload("mbpp", "train")] == ["mbpp-700"]
     assert [e.uid for e in load_workload("mbpp", "fewshot")] == ["mbpp-5"]
     (example,) = load_workload("mbpp", "eval")
@@ -155,18 +154,18 @@ def test_mbpp_default_path_is_shared_next_to_cwd(monkeypatch: pytest.MonkeyPatch
 
 
 # Every way of providing MBPP, as the error for "no source" must list them.
-MBPP_WAYS = ("mbpp_path", "--mbpp-path", wl.MBPP_ENV_VAR, "../shared/data/mbpp.jsonl", "going online",
-             wl.MBPP_HUB_NAME)
+MBPP_WAYS = ("mbpp_path", "--mbpp-path", wl.MBPP_ENV_VAR, "going online", wl.MBPP_HUB_NAME)
 
 
 def _assert_lists_every_way(error: Exception) -> None:
     for way in MBPP_WAYS:
         assert way in str(error), way
+    assert "../shared" not in str(error)   # no location that exists only in this project's setting
 
 
 @pytest.fixture
 def no_local_mbpp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """No local MBPP (no env var, no ../shared beside the working directory), and the hub
+    """No local MBPP named (no env var; the working directory is a fresh folder), and the hub
     loader's cache emptied before and after, so no hub result leaks between tests."""
     monkeypatch.delenv(wl.MBPP_ENV_VAR, raising=False)
     (tmp_path / "cwd").mkdir()
@@ -192,6 +191,23 @@ def test_mbpp_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     with pytest.raises(MbppUnavailable, match="HF_HUB_OFFLINE") as error:
         training_text("mbpp")
     _assert_lists_every_way(error.value)
+
+
+def test_mbpp_has_no_default_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_local_mbpp) -> None:
+    """Without mbpp_path or $BRANCHSPEC_MBPP, offline, MBPP is unavailable even when
+    ../shared/data/mbpp.jsonl lies beside the working directory: library code has no
+    default path, and the error names the env var and the flag, not a path."""
+    write_mbpp(Path.cwd().parent / "shared" / "data" / "mbpp.jsonl")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    assert wl.resolve_mbpp_path() is None
+    with pytest.raises(MbppUnavailable, match="HF_HUB_OFFLINE") as error:
+        load_workload("mbpp", "eval")
+    message = str(error.value)
+    assert wl.MBPP_ENV_VAR in message and "--mbpp-path" in message
+    assert "../shared" not in message and "shared/data" not in message
 
 
 def _write_hub_parquet(folder: Path) -> list[str]:

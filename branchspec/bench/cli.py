@@ -97,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")
     p.add_argument("--mbpp-path", default=None,
-                   help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else ../shared/data/mbpp.jsonl, else "
-                        "google-research-datasets/mbpp from the Hugging Face hub; without --workloads, MBPP "
+                   help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else google-research-datasets/mbpp "
+                        "from the Hugging Face hub; without --workloads, MBPP "
                         "is skipped with a note when none of these works)")
     p.add_argument("--policies", type=_name_list, default=None, metavar="P[,P..]",
                    help="fixed (the chain and tree grid) and/or auto (the adaptive policy, SpecConfig.auto); "

@@ -1,10 +1,11 @@
 """MBPP: 974 Python tasks, which no PyPI package ships (DESIGN.md section 6).
 
-Source, the first that applies: a local ``mbpp.jsonl`` (``resolve_mbpp_path``), else
-``google-research-datasets/mbpp`` from the Hugging Face hub (the user's cache, else a
-download when online). Split: the standard ranges of task_id (Austin et al., 2021), 1-10
-fewshot, 11-510 eval, 511-600 validation, 601-974 train. Prompt: the task and the asserts
-its code must pass, as a docstring; completion: the reference code.
+Source, the first that applies: a local ``mbpp.jsonl`` named by the caller or by
+``$BRANCHSPEC_MBPP`` (``resolve_mbpp_path``), else ``google-research-datasets/mbpp`` from
+the Hugging Face hub (the user's cache, else a download when online). Split: the
+standard ranges of task_id (Austin et al., 2021), 1-10 fewshot, 11-510 eval, 511-600
+validation, 601-974 train. Prompt: the task and the asserts its code must pass, as a
+docstring; completion: the reference code.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def mbpp_prompt(text: str, tests: list[str], setup_code: str = "") -> str:
 
 
 class MbppUnavailable(FileNotFoundError):
-    """No source of MBPP worked: no local file, and the Hugging Face hub could not supply it.
+    """No source of MBPP worked: no local file was named, and the Hugging Face hub could not
+    supply it.
 
     A subclass, so that a caller for whom MBPP is optional (``branchspec bench`` without
     ``--workloads``) can skip it on exactly this, while a file that was named but is
@@ -57,20 +59,21 @@ class MbppUnavailable(FileNotFoundError):
     def __init__(self, reason: str):
         self.reason = reason
         super().__init__(
-            f"no MBPP source: no local mbpp.jsonl, and the Hugging Face hub failed ({reason}). "
+            f"no MBPP source: no local mbpp.jsonl was named, and the Hugging Face hub failed ({reason}). "
             f"Provide MBPP by passing mbpp_path=FILE / --mbpp-path FILE (a local mbpp.jsonl), setting "
-            f"${MBPP_ENV_VAR}=FILE, running from a directory whose ../shared/data/mbpp.jsonl exists, or "
-            f"going online so that {MBPP_HUB_NAME} downloads from the Hugging Face hub"
+            f"${MBPP_ENV_VAR}=FILE, or going online so that {MBPP_HUB_NAME} downloads from the "
+            f"Hugging Face hub"
         )
 
 
 def resolve_mbpp_path(mbpp_path: str | os.PathLike[str] | None = None) -> Path | None:
-    """The local MBPP file: ``mbpp_path``, else ``$BRANCHSPEC_MBPP``, else
-    ``../shared/data/mbpp.jsonl`` relative to the working directory if it exists.
+    """The local MBPP file: ``mbpp_path``, else ``$BRANCHSPEC_MBPP``; None when neither is
+    given, and MBPP then comes from the Hugging Face hub.
 
-    An explicit path or env var that names a missing file raises FileNotFoundError at
-    once rather than falling through to another source. Returns None when none applies;
-    MBPP then comes from the Hugging Face hub.
+    There is deliberately no default location: a path that exists only in one checkout's
+    surroundings would make the same call load different data elsewhere. A path or env
+    var that names a missing file raises FileNotFoundError at once rather than falling
+    through to another source.
     """
     if mbpp_path is not None:
         path = Path(mbpp_path)
@@ -83,8 +86,7 @@ def resolve_mbpp_path(mbpp_path: str | os.PathLike[str] | None = None) -> Path |
         if not path.is_file():
             raise FileNotFoundError(f"MBPP file not found: {path} (from ${MBPP_ENV_VAR})")
         return path
-    default = Path.cwd() / ".." / "shared" / "data" / "mbpp.jsonl"
-    return default if default.is_file() else None
+    return None
 
 
 def load_mbpp(split: str, mbpp_path: str | os.PathLike[str] | None = None) -> list[Example]:

@@ -56,7 +56,8 @@ REGISTRY: tuple[Workload, ...] = (
         name="mbpp",
         splits=("train", "eval", "validation", "fewshot"),
         load=load_mbpp,
-        source="a local mbpp.jsonl (974 tasks), else google-research-datasets/mbpp from the Hugging Face hub",
+        source="a local mbpp.jsonl (974 tasks: mbpp_path, else $BRANCHSPEC_MBPP), else "
+               "google-research-datasets/mbpp from the Hugging Face hub",
         split_rule="standard task_id ranges: 1-10 fewshot, 11-510 eval, 511-600 validation, 601-974 train",
         prompt_format="the task and its test asserts in a docstring, completed by the reference code",
     ),
@@ -112,10 +113,9 @@ def _checked(name: str, split: str) -> Workload:
 def load_workload(name: str, split: str, *, mbpp_path: MbppPath = None) -> list[Example]:
     """Examples of one split of one workload, in a fixed order.
 
-    MBPP comes from the first of: ``mbpp_path``, ``$BRANCHSPEC_MBPP``,
-    ``../shared/data/mbpp.jsonl`` beside the working directory (``resolve_mbpp_path``),
-    then ``google-research-datasets/mbpp`` from the Hugging Face hub: the user's HF cache,
-    else a download when online. Raises ValueError for an unknown workload or split,
+    MBPP comes from the first of: ``mbpp_path``, ``$BRANCHSPEC_MBPP``
+    (``resolve_mbpp_path``), then ``google-research-datasets/mbpp`` from the Hugging Face
+    hub: the user's HF cache, else a download when online. Raises ValueError for an unknown workload or split,
     FileNotFoundError when a named MBPP file is missing, MbppUnavailable (a
     FileNotFoundError listing every way to provide MBPP) when no source works, and
     ModuleNotFoundError when a dataset package is not installed.
