@@ -45,6 +45,36 @@ def mbpp_file(tmp_path_factory) -> Path:
     return write_mbpp(tmp_path_factory.mktemp("mbpp") / "mbpp.jsonl")
 
 
+# --- the registry ----------------------------------------------------------------------
+
+
+def test_registry_lists_each_workload_once() -> None:
+    names = [w.name for w in wl.REGISTRY]
+    assert names == ["gsm8k", "mbpp", "sharegpt", "humaneval"]   # this order is WORKLOADS' order
+    assert len(set(names)) == len(names) and WORKLOADS == tuple(names)
+    for workload in wl.REGISTRY:
+        assert wl.get_workload(workload.name) is workload and workload_splits(workload.name) == workload.splits
+        assert "eval" in workload.splits and len(set(workload.splits)) == len(workload.splits)
+        assert workload.source and workload.split_rule and workload.prompt_format
+    with pytest.raises(ValueError, match="valid workloads: gsm8k, mbpp, sharegpt, humaneval"):
+        wl.get_workload("gsm9k")
+
+
+@pytest.mark.parametrize("workload", wl.REGISTRY, ids=lambda w: w.name)
+def test_every_registered_split_loads_from_its_real_source(workload: wl.Workload) -> None:
+    """Each split of each registered workload, from the source a user gets (MBPP: from
+    $BRANCHSPEC_MBPP or the Hugging Face cache; skipped when neither has it)."""
+    for split in workload.splits:
+        try:
+            examples = load_workload(workload.name, split)
+        except MbppUnavailable as e:
+            pytest.skip(f"MBPP has no source here ({e.reason}); set ${wl.MBPP_ENV_VAR} to an mbpp.jsonl")
+        assert examples and all(ex.workload == workload.name for ex in examples), split
+        assert examples == list(workload.load(split, None))
+    if "train" in workload.splits:
+        assert next(training_text(workload.name)).strip()
+
+
 # --- every workload --------------------------------------------------------------------
 
 
