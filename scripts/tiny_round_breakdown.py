@@ -13,7 +13,8 @@ import torch
 
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.config import tiny_config
-from branchspec.model.weights import random_model, save_checkpoint
+from branchspec.model.init import random_model
+from branchspec.model.weights import save_checkpoint
 from branchspec.train.losses import train_steps
 
 

@@ -22,7 +22,8 @@ from branchspec import LLM
 from branchspec.config import ConfigError, ModelConfig, tiny_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
 from branchspec.llm import DEFAULT_CHECKPOINT
-from branchspec.model.weights import CheckpointError, load_checkpoint, random_model, save_checkpoint
+from branchspec.model.init import random_model
+from branchspec.model.weights import CheckpointError, load_checkpoint, save_checkpoint
 
 # Larger than the tokenizer below (the smallest byte-level vocabulary is 263 tokens).
 VOCAB = 320

@@ -38,7 +38,8 @@ from branchspec.model.formats import (
     plan_names,
     to_branchspec_tensors,
 )
-from branchspec.model.weights import load_checkpoint, random_model, save_checkpoint
+from branchspec.model.init import random_model
+from branchspec.model.weights import load_checkpoint, save_checkpoint
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 HAS_E8M0 = hasattr(torch, "float8_e8m0fnu")

@@ -27,7 +27,8 @@ from branchspec.model.export import (  # noqa: E402
 )
 from branchspec.model.formats import FORMAT_HF, detect_format, hf_config_to_branchspec  # noqa: E402
 from branchspec.model.layers import rope_tables  # noqa: E402
-from branchspec.model.weights import load_checkpoint, random_model, save_checkpoint  # noqa: E402
+from branchspec.model.init import random_model  # noqa: E402
+from branchspec.model.weights import load_checkpoint, save_checkpoint  # noqa: E402
 from helpers import lifted_float32_islands  # noqa: E402
 
 # v4-mini-v2's shape with a smaller vocabulary (the embedding, head and hash table scale

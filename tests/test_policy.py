@@ -118,7 +118,8 @@ def test_auto_policy_sampled_follows_target_distribution(tmp_path):
     """The chi-square test of test_spec_decode, with rounds cycling between plain decoding,
     a chain and a tree."""
     from branchspec.config import tiny_config
-    from branchspec.model.weights import random_model, save_checkpoint
+    from branchspec.model.init import random_model
+    from branchspec.model.weights import save_checkpoint
 
     cfg = tiny_config(vocab_size=8, compress_ratios=(0, 4, 0, 4), index_topk=2)
     model = random_model(cfg, seed=4, dtype="float64", std=0.25)

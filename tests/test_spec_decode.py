@@ -10,7 +10,8 @@ from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.engine.sampler import sampling_probs
 from branchspec.llm import LLM
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import random_model, save_checkpoint
+from branchspec.model.init import random_model
+from branchspec.model.weights import save_checkpoint
 from branchspec.spec.drafter import select_tree
 from conftest import markov_batches
 

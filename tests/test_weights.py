@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from branchspec.config import ConfigError, tiny_config
+from branchspec.model.init import random_model
 from branchspec.model.weights import (
     CheckpointError,
     checkpoint_metadata,
     load_checkpoint,
-    random_model,
     resolve_dtype,
     save_checkpoint,
 )

@@ -13,57 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from branchspec.config import ModelConfig
 from branchspec.model.formats import CheckpointError, open_checkpoint  # noqa: F401 - CheckpointError re-exported
+from branchspec.model.dtypes import DTYPES, resolve_dtype  # noqa: F401 - re-exported
 from branchspec.model.model import Transformer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a name or dtype; ValueError if unsupported, TypeError if neither."""
-    if not isinstance(dtype, (str, torch.dtype)):
-        raise TypeError(f"dtype must be a str or torch.dtype (one of {sorted(DTYPES)}), "
-                        f"got {type(dtype).__name__} {dtype!r}")
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def init_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
-    """Deterministic random init: normal(0, std) matrices, unit norms and mHC scales, zero
-    APE, sinks, mHC biases and routing biases, and a random token -> experts hash table.
-
-    Output projections are scaled down by depth (GPT-2 style) so the residual stream stays
-    near unit scale at init.
-    """
-    g = torch.Generator().manual_seed(seed)
-    n_layers = model.cfg.num_layers
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("_scale"):
-                p.fill_(1.0)
-            elif name.endswith(("ape", "attn_sink", "_base", "gate.bias")):
-                p.zero_()
-            else:
-                out_proj = name.endswith(("wo.weight", "wo_b.weight", "w2.weight", "experts.w2"))
-                scale = std / (2 * n_layers) ** 0.5 if out_proj else std
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * scale)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):   # k distinct experts per token id
-                V, k = b.shape
-                b.copy_(torch.rand(V, model.cfg.num_experts, generator=g).argsort(dim=-1)[:, :k])
-    return model
-
-
-def random_model(cfg: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "float32",
-                 std: float = 0.02) -> Transformer:
-    model = init_weights(Transformer(cfg).to(torch.float64), seed, std)
-    return model.to(resolve_dtype(dtype)).eval()
 
 
 def save_checkpoint(model: Transformer, folder: str | Path, dtype: str | torch.dtype | None = None,
