@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # replace the downloader instead.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from branchspec.checkpoint import save_checkpoint  # noqa: E402
 from branchspec.config import tiny_config, tiny_v4_config  # noqa: E402
 from branchspec.model.init import random_model  # noqa: E402
-from branchspec.model.weights import save_checkpoint  # noqa: E402
 from branchspec.train.losses import train_steps  # noqa: E402
 
 

@@ -21,11 +21,11 @@ from branchspec.bench.report import (
     THROUGHPUT_HEADERS_LEAD,
 )
 from branchspec.bench.study import StudyConfig, run_study
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
 from branchspec.data import workloads as wl
 from branchspec.engine.runner import ROUND_PHASES
 from branchspec.model.init import random_model
-from branchspec.model.weights import save_checkpoint
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CELL_FIELDS = {f for f in CellResult.__dataclass_fields__}

@@ -17,29 +17,25 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from branchspec.cli import main as cli_main
-from branchspec.config import ConfigError, ModelConfig, tiny_config, tiny_v4_config
-from branchspec.model.formats import (
-    FORMAT_BRANCHSPEC,
-    FORMAT_DEEPSEEK,
-    FORMAT_HF,
+from branchspec.checkpoint import (
     CheckpointError,
-    canonical_name,
     checkpoint_stop_ids,
     convert_checkpoint,
-    deepseek_config_to_branchspec,
-    dequantize_fp8_blocks,
     detect_format,
-    expected_shapes,
-    hf_config_extras,
-    hf_config_to_branchspec,
-    is_integer_tensor,
+    load_checkpoint,
     open_checkpoint,
-    plan_names,
-    to_branchspec_tensors,
+    save_checkpoint,
 )
+from branchspec.checkpoint.deepseek_config import deepseek_config_to_branchspec
+from branchspec.checkpoint.folder import FORMAT_BRANCHSPEC, FORMAT_DEEPSEEK, FORMAT_HF
+from branchspec.checkpoint.fp8 import dequantize_fp8_blocks
+from branchspec.checkpoint.hf_config import hf_config_extras, hf_config_to_branchspec
+from branchspec.checkpoint.load import to_branchspec_tensors
+from branchspec.checkpoint.names import canonical_name, plan_names
+from branchspec.checkpoint.schema import expected_shapes, is_integer_tensor
+from branchspec.cli import main as cli_main
+from branchspec.config import ConfigError, ModelConfig, tiny_config, tiny_v4_config
 from branchspec.model.init import random_model
-from branchspec.model.weights import load_checkpoint, save_checkpoint
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 HAS_E8M0 = hasattr(torch, "float8_e8m0fnu")
@@ -89,7 +85,7 @@ def to_deepseek(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # branchspec -> transformers' in-memory module names (the table the brief gives), written
-# out independently of formats.py's rules.
+# out independently of checkpoint/names.py's rules.
 _HF_BLOCK = [
     ("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("attn.wq_a.weight", "self_attn.q_a_proj.weight"), ("attn.q_norm.weight", "self_attn.q_a_norm.weight"),
