@@ -381,6 +381,37 @@ def test_expected_shapes_match_the_transformer(cfg):
     assert {k for k, v in state.items() if not v.is_floating_point()} == {k for k in state if is_integer_tensor(k)}
 
 
+def test_the_schema_leaves_no_meta_tensor_behind():
+    """The schema's model is built on the meta device and dropped: afterwards the default
+    device is still the CPU, no branchspec module holds a meta tensor, and a real model
+    still runs."""
+    import sys
+
+    from branchspec.model.metadata import chain_meta
+
+    cfg = tiny_v4_config()
+    expected_shapes(cfg)
+    assert torch.empty(()).device.type == "cpu"
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from tensors(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from tensors(v)
+
+    found = [f"{name}.{key}" for name, module in list(sys.modules.items()) if name.startswith("branchspec")
+             for key, value in vars(module).items() for t in tensors(value) if t.is_meta]
+    assert found == []
+    model = random_model(cfg, seed=0)
+    ids = torch.tensor([[1, 2, 3]])
+    out = model(ids, chain_meta(torch.zeros(1, dtype=torch.long), 3, cfg.compressed_ratios))
+    assert out.logits.shape == (1, 3, cfg.vocab_size) and torch.isfinite(out.logits).all()
+
+
 # -- names -----------------------------------------------------------------------------------------
 
 

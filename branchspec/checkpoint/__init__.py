@@ -18,7 +18,8 @@ weights (float8_e4m3fn with a ``.scale`` or ``.weight_scale_inv`` companion, one
 per 128x128 block) are dequantised at load; FP4 expert weights are refused.
 
 The mapping works on plain dicts of tensors (``to_branchspec_tensors``) and on the names
-and shapes of branchspec's state_dict (``expected_shapes``), so it needs no model.
+and shapes of branchspec's state_dict (``expected_shapes``, read from a model built on the
+meta device), so it needs no weights.
 RoPE needs no permutation: HF, DeepSeek and branchspec all rotate the trailing
 ``rope_dim`` channels in interleaved pairs.
 

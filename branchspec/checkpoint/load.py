@@ -23,7 +23,7 @@ from branchspec.checkpoint.foreign_config import ConfigExtras
 from branchspec.checkpoint.fp8 import FP4_TAGS, FP8_BLOCK, dequantize_fp8_blocks, is_fp8
 from branchspec.checkpoint.hf_config import read_hf_config
 from branchspec.checkpoint.names import Recipe, plan_names
-from branchspec.checkpoint.schema import expected_shapes, is_integer_tensor
+from branchspec.checkpoint.schema import expected_tensors, is_integer_tensor
 from branchspec.config import ConfigError, ModelConfig, read_config_json
 from branchspec.model.dtypes import resolve_dtype
 from branchspec.model.model import Transformer
@@ -43,9 +43,10 @@ def to_branchspec_tensors(source: Mapping[str, torch.Tensor], cfg: ModelConfig, 
 
     ``source`` is a dict of tensors or a ``SafetensorsFolder`` (read lazily, one target
     tensor at a time). ``expected`` maps each branchspec name to its (shape, dtype), by
-    default ``expected_shapes(cfg)`` with int64 for integer tensors and ``dtype`` (or
-    float32) for the rest. Block-FP8 weights are dequantised; floating tensors are cast to
-    ``dtype`` (kept as read when None), integer ones to the expected integer dtype.
+    default ``expected_tensors(cfg)``: the model's shapes, int64 for integer tensors and
+    ``dtype`` (or float32) for the rest. Block-FP8 weights are dequantised; floating
+    tensors are cast to ``dtype`` (kept as read when None), integer ones to the expected
+    integer dtype.
     ``rename=False`` reads names as branchspec's own, with no foreign spelling accepted.
 
     Every problem is checked before a tensor is read, and reported together in one
@@ -57,9 +58,7 @@ def to_branchspec_tensors(source: Mapping[str, torch.Tensor], cfg: ModelConfig, 
     if file_label is None:
         file_label = source.where if isinstance(source, SafetensorsFolder) else where
     if expected is None:
-        float_dtype = dtype or torch.float32
-        expected = {k: (shape, torch.int64 if is_integer_tensor(k) else float_dtype)
-                    for k, shape in expected_shapes(cfg).items()}
+        expected = expected_tensors(cfg, dtype or torch.float32)
     names = list(source.keys())
     plan = plan_names(names, rename)
     tags = {n: dtype_tag(source, n) for n in names}
