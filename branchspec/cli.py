@@ -353,11 +353,10 @@ def _add_convert(sub):
 
 
 def _convert(args) -> int:
-    from branchspec.model.formats import convert_checkpoint
-    from branchspec.model.weights import checkpoint_metadata
+    from branchspec.checkpoint import checkpoint_metadata, convert_checkpoint
 
     if args.to == "hf":
-        from branchspec.model.export import export_hf_folder
+        from branchspec.checkpoint import export_hf_folder
 
         out = export_hf_folder(args.src, args.out, dtype=args.dtype)
         print(f"exported {args.src} to the Hugging Face deepseek_v4 folder {out} ({args.dtype})")

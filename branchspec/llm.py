@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from branchspec.checkpoint import checkpoint_stop_ids, load_checkpoint
 from branchspec.config import MAX_SEED, AutoPolicy, EngineConfig, SamplingParams, SpecConfig, check_int
 from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
-from branchspec.model.formats import checkpoint_stop_ids
-from branchspec.model.weights import load_checkpoint
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini-v2"
 

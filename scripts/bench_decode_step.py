@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
 from branchspec.config import tiny_config, v4_mini_config, v4_mini_v2_config
+from branchspec.model.init import random_model
 from branchspec.model.layers import Experts
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import random_model
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from branchspec.model.weights import random_model
+from branchspec.model.init import random_model
 from branchspec.train.losses import lm_losses
 from branchspec.train.trainer import MODEL_PRESETS, bf16_is_fast
 

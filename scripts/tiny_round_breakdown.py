@@ -12,8 +12,9 @@ import tempfile
 import torch
 
 from branchspec import LLM, SamplingParams, SpecConfig
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
-from branchspec.model.weights import random_model, save_checkpoint
+from branchspec.model.init import random_model
 from branchspec.train.losses import train_steps
 
 

@@ -14,8 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from branchspec.config import tiny_config, tiny_v4_config  # noqa: E402
+from branchspec.checkpoint import save_checkpoint  # noqa: E402
 from branchspec.data.workloads import MBPP_ENV_VAR  # noqa: E402
-from branchspec.model.weights import random_model, save_checkpoint  # noqa: E402
+from branchspec.model.init import random_model  # noqa: E402
 from branchspec.train.losses import train_steps  # noqa: E402
 
 # The real MBPP, for the tests that read it: library code has no default location, so this

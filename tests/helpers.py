@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
 from branchspec.data.tokenizer import train_tokenizer
+from branchspec.model.init import random_model
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import random_model, save_checkpoint
 
 
 def new_cache(model, max_seqs: int = 4, page_size: int = 4, max_len: int = 1024) -> PagedState:

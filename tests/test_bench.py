@@ -21,11 +21,12 @@ from branchspec.bench.report import (
     THROUGHPUT_HEADERS_LEAD,
 )
 from branchspec.bench.study import StudyConfig, run_study
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
 from branchspec.data import workloads as wl
 from branchspec.data.workloads import mbpp as mbpp_source
 from branchspec.engine.runner import ROUND_PHASES
-from branchspec.model.weights import random_model, save_checkpoint
+from branchspec.model.init import random_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CELL_FIELDS = {f for f in CellResult.__dataclass_fields__}

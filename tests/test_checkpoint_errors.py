@@ -19,10 +19,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from branchspec import LLM
+from branchspec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from branchspec.config import ConfigError, ModelConfig, tiny_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
 from branchspec.llm import DEFAULT_CHECKPOINT
-from branchspec.model.weights import CheckpointError, load_checkpoint, random_model, save_checkpoint
+from branchspec.model.init import random_model
 
 # Larger than the tokenizer below (the smallest byte-level vocabulary is 263 tokens).
 VOCAB = 320

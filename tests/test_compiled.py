@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from branchspec import LLM, SamplingParams, SpecConfig
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
 from branchspec.engine.compiled import compilations, steps_loaded
-from branchspec.model.weights import random_model, save_checkpoint
+from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 CHAIN = SpecConfig.chain(6)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
 from branchspec.engine.engine import Engine
 from branchspec.llm import LLM
-from branchspec.model.weights import random_model, save_checkpoint
+from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 CHAIN = SpecConfig.chain(4)

@@ -17,28 +17,25 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from branchspec.cli import main as cli_main
-from branchspec.config import ConfigError, ModelConfig, tiny_config, tiny_v4_config
-from branchspec.model.formats import (
-    FORMAT_BRANCHSPEC,
-    FORMAT_DEEPSEEK,
-    FORMAT_HF,
+from branchspec.checkpoint import (
     CheckpointError,
-    canonical_name,
     checkpoint_stop_ids,
     convert_checkpoint,
-    deepseek_config_to_branchspec,
-    dequantize_fp8_blocks,
     detect_format,
-    expected_shapes,
-    hf_config_extras,
-    hf_config_to_branchspec,
-    is_integer_tensor,
+    load_checkpoint,
     open_checkpoint,
-    plan_names,
-    to_branchspec_tensors,
+    save_checkpoint,
 )
-from branchspec.model.weights import load_checkpoint, random_model, save_checkpoint
+from branchspec.checkpoint.deepseek_config import deepseek_config_to_branchspec
+from branchspec.checkpoint.folder import FORMAT_BRANCHSPEC, FORMAT_DEEPSEEK, FORMAT_HF
+from branchspec.checkpoint.fp8 import dequantize_fp8_blocks
+from branchspec.checkpoint.hf_config import hf_config_extras, hf_config_to_branchspec
+from branchspec.checkpoint.load import to_branchspec_tensors
+from branchspec.checkpoint.names import canonical_name, plan_names
+from branchspec.checkpoint.schema import expected_shapes, is_integer_tensor
+from branchspec.cli import main as cli_main
+from branchspec.config import ConfigError, ModelConfig, tiny_config, tiny_v4_config
+from branchspec.model.init import random_model
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 HAS_E8M0 = hasattr(torch, "float8_e8m0fnu")
@@ -88,7 +85,7 @@ def to_deepseek(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # branchspec -> transformers' in-memory module names (the table the brief gives), written
-# out independently of formats.py's rules.
+# out independently of checkpoint/names.py's rules.
 _HF_BLOCK = [
     ("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("attn.wq_a.weight", "self_attn.q_a_proj.weight"), ("attn.q_norm.weight", "self_attn.q_a_norm.weight"),
@@ -382,6 +379,37 @@ def test_expected_shapes_match_the_transformer(cfg):
     state = Transformer(cfg).state_dict()
     assert expected_shapes(cfg) == {k: tuple(v.shape) for k, v in state.items()}
     assert {k for k, v in state.items() if not v.is_floating_point()} == {k for k in state if is_integer_tensor(k)}
+
+
+def test_the_schema_leaves_no_meta_tensor_behind():
+    """The schema's model is built on the meta device and dropped: afterwards the default
+    device is still the CPU, no branchspec module holds a meta tensor, and a real model
+    still runs."""
+    import sys
+
+    from branchspec.model.metadata import chain_meta
+
+    cfg = tiny_v4_config()
+    expected_shapes(cfg)
+    assert torch.empty(()).device.type == "cpu"
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from tensors(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from tensors(v)
+
+    found = [f"{name}.{key}" for name, module in list(sys.modules.items()) if name.startswith("branchspec")
+             for key, value in vars(module).items() for t in tensors(value) if t.is_meta]
+    assert found == []
+    model = random_model(cfg, seed=0)
+    ids = torch.tensor([[1, 2, 3]])
+    out = model(ids, chain_meta(torch.zeros(1, dtype=torch.long), 3, cfg.compressed_ratios))
+    assert out.logits.shape == (1, 3, cfg.vocab_size) and torch.isfinite(out.logits).all()
 
 
 # -- names -----------------------------------------------------------------------------------------

@@ -20,14 +20,16 @@ from safetensors import safe_open
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 
 from branchspec import LLM, SamplingParams, SpecConfig  # noqa: E402
+from branchspec.checkpoint import (  # noqa: E402
+    ExportError, detect_format, export_hf, export_hf_folder, load_checkpoint, save_checkpoint,
+)
+from branchspec.checkpoint.export import hf_config_from_branchspec, hf_equivalent_config  # noqa: E402
+from branchspec.checkpoint.folder import FORMAT_HF  # noqa: E402
+from branchspec.checkpoint.hf_config import hf_config_to_branchspec  # noqa: E402
 from branchspec.config import ModelConfig, tiny_config, tiny_v4_config, v4_mini_v2_config  # noqa: E402
 from branchspec.data.tokenizer import train_tokenizer  # noqa: E402
-from branchspec.model.export import (  # noqa: E402
-    ExportError, export_hf, export_hf_folder, hf_config_from_branchspec, hf_equivalent_config,
-)
-from branchspec.model.formats import FORMAT_HF, detect_format, hf_config_to_branchspec  # noqa: E402
+from branchspec.model.init import random_model  # noqa: E402
 from branchspec.model.layers import rope_tables  # noqa: E402
-from branchspec.model.weights import load_checkpoint, random_model, save_checkpoint  # noqa: E402
 from helpers import lifted_float32_islands  # noqa: E402
 
 # v4-mini-v2's shape with a smaller vocabulary (the embedding, head and hash table scale

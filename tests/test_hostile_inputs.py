@@ -18,7 +18,7 @@ from branchspec.data.chat import ASSISTANT, USER, render_chat
 from branchspec.engine.engine import Engine
 from branchspec.llm import LLM
 from helpers import checkpoint_with_tokenizer
-from branchspec.model.weights import random_model
+from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 CORPUS = ["The quick brown fox jumps over the lazy dog. ", "def add(a, b):\n    return a + b\n",

@@ -10,10 +10,11 @@ import torch
 
 import branchspec.engine.engine as engine_module
 import branchspec.engine.runner as runner_module
+from branchspec.checkpoint import load_checkpoint, save_checkpoint
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
 from branchspec.engine.engine import Engine
 from branchspec.llm import LLM
-from branchspec.model.weights import load_checkpoint, random_model, save_checkpoint
+from branchspec.model.init import random_model
 from conftest import markov_batches
 
 TREE = SpecConfig(3, 2, 6)

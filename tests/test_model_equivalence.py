@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from branchspec.config import tiny_config
+from branchspec.model.init import random_model
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import random_model
 from helpers import assert_same_state, feed, new_cache, sequential
 from oracle import oracle_logits
 

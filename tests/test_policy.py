@@ -78,8 +78,8 @@ def run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag: bool =
     """Plain rounds, then speculative ones, then compare each request's drafter KV with a
     sequential MTP pass over its committed tokens (with the target's hidden states).
     AssertionError on any difference."""
+    from branchspec.checkpoint import load_checkpoint
     from branchspec.engine.engine import Engine
-    from branchspec.model.weights import load_checkpoint
     from helpers import assert_same_state, sequential_drafter
 
     model = load_checkpoint(trained_ckpt, "float64")
@@ -117,8 +117,9 @@ def test_drafter_state_check_catches_a_skipped_lag(trained_ckpt, prompts):
 def test_auto_policy_sampled_follows_target_distribution(tmp_path):
     """The chi-square test of test_spec_decode, with rounds cycling between plain decoding,
     a chain and a tree."""
+    from branchspec.checkpoint import save_checkpoint
     from branchspec.config import tiny_config
-    from branchspec.model.weights import random_model, save_checkpoint
+    from branchspec.model.init import random_model
 
     cfg = tiny_config(vocab_size=8, compress_ratios=(0, 4, 0, 4), index_topk=2)
     model = random_model(cfg, seed=4, dtype="float64", std=0.25)
@@ -401,8 +402,8 @@ def test_the_drafter_is_prefilled_with_the_target_when_speculation_is_expected(t
     """With the optimistic starting statistics the policy expects to speculate, so the
     prompts go through the drafter at prefill (as with a fixed configuration) and the first
     round has nothing to catch up; with statistics that say drafts fail, they wait."""
+    from branchspec.checkpoint import load_checkpoint
     from branchspec.engine.engine import Engine
-    from branchspec.model.weights import load_checkpoint
 
     engine = Engine(load_checkpoint(trained_ckpt, "float64"), EngineConfig(max_batch_size=2))
     policy = SpecConfig.auto()
@@ -420,7 +421,7 @@ def test_the_drafter_is_prefilled_with_the_target_when_speculation_is_expected(t
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
-    from branchspec.model.weights import load_checkpoint
+    from branchspec.checkpoint import load_checkpoint
     import branchspec.spec.policy as policy_mod
 
     model = load_checkpoint(trained_ckpt, "float32")

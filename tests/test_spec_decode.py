@@ -6,11 +6,12 @@ import itertools
 import pytest
 import torch
 
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.engine.sampler import sampling_probs
 from branchspec.llm import LLM
+from branchspec.model.init import random_model
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import random_model, save_checkpoint
 from branchspec.spec.drafter import select_tree
 from conftest import markov_batches
 
@@ -166,9 +167,9 @@ def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts,
     """Invariant S through the engine: after several rounds, the target state and the
     drafter KV (rebuilt with the target's hidden states by draft-extend) equal what a
     sequential pass over the committed tokens builds."""
+    from branchspec.checkpoint import load_checkpoint
     from branchspec.config import EngineConfig
     from branchspec.engine.engine import Engine
-    from branchspec.model.weights import load_checkpoint
     from helpers import assert_same_state, sequential, sequential_drafter
 
     model = load_checkpoint(trained_ckpt, "float64")
@@ -195,10 +196,10 @@ def test_drafted_tree_matches_a_sequential_drafter(trained_ckpt, prompts, spec):
     state, its KV committed as it goes), and siblings are that distribution's top-k."""
     import copy
 
+    from branchspec.checkpoint import load_checkpoint
     from branchspec.engine.request import Sequence
     from branchspec.engine.runner import ModelRunner
     from branchspec.model.metadata import chain_meta
-    from branchspec.model.weights import load_checkpoint
     from branchspec.spec.drafter import MTPDrafter
     from helpers import new_cache
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from branchspec.config import v4_mini_v2_config
+from branchspec.model.init import random_model
 from branchspec.model.layers import build_stacked
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import random_model
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from branchspec.checkpoint import load_checkpoint
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.llm import LLM
-from branchspec.model.weights import load_checkpoint, random_model
+from branchspec.model.init import random_model
 from branchspec.train.losses import lm_losses, train_steps
 from branchspec.train.trainer import TrainConfig, lr_at, train
 from conftest import markov_batches, write_mbpp

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from branchspec.config import ConfigError, tiny_config
-from branchspec.model.weights import (
+from branchspec.checkpoint import (
     CheckpointError,
     checkpoint_metadata,
     load_checkpoint,
-    random_model,
     resolve_dtype,
     save_checkpoint,
 )
+from branchspec.config import ConfigError, tiny_config
+from branchspec.model.init import random_model
 
 SUPPORTED = ("bfloat16", "float32", "float64")
 

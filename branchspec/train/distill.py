@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from branchspec.checkpoint import load_checkpoint, save_checkpoint
 from branchspec.data.tokenizer import Tokenizer
 from branchspec.model.metadata import chain_meta
-from branchspec.model.weights import load_checkpoint, save_checkpoint
 from branchspec.train.data import BatchSampler, Streams, eval_windows
 from branchspec.train.trainer import check_mix, evaluate
 

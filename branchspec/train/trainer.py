@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from branchspec.checkpoint import save_checkpoint
 from branchspec.config import ModelConfig, tiny_config, v4_mini_config, v4_mini_v2_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
+from branchspec.model.init import init_weights
 from branchspec.model.model import Transformer
-from branchspec.model.weights import init_weights, save_checkpoint
 from branchspec.train.corpora import CORPORA, corpus_fingerprint
 from branchspec.train.data import BatchSampler, Streams, documents, eval_windows
 from branchspec.train.losses import lm_losses

@@ -1,12 +1,12 @@
 """Write a branchspec model as a Hugging Face ``deepseek_v4`` folder.
 
-The opposite of ``formats.py``'s HF loader: ``transformers.DeepseekV4ForCausalLM
+The opposite of the HF loader (``hf_config``, ``names``): ``transformers.DeepseekV4ForCausalLM
 .from_pretrained(folder)`` loads what ``export_hf`` writes, and so does branchspec's
 ``LLM(folder)``, MTP drafter included.
 
 Tensor names are not spelled out here. They are the ``state_dict`` names of transformers'
 own model for the exported config (built on the meta device: no memory, no init), mapped
-to branchspec's names by ``formats.plan_names``, the very rules the loader uses, and that
+to branchspec's names by ``names.plan_names``, the very rules the loader uses, and that
 mapping is inverted. So every rename, the packed ``experts.gate_up_proj`` (gate half, then
 up half, along dim 1) and any per-expert spelling are written exactly as they are read.
 
@@ -30,17 +30,20 @@ from pathlib import Path
 
 import torch
 
+from safetensors.torch import save_file
+
+from branchspec.checkpoint.folder import HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder, new_folder
+from branchspec.checkpoint.hf_config import HF_LAYER_TYPES
+from branchspec.checkpoint.names import plan_names
+from branchspec.checkpoint.schema import expected_shapes
 from branchspec.config import ModelConfig
-from branchspec.model.formats import (
-    _HF_LAYER_TYPES, HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder, checkpoint_stop_ids,
-    expected_shapes, new_folder, plan_names, read_config_json,
-)
+from branchspec.model.dtypes import resolve_dtype
 from branchspec.model.model import Transformer
 
 HF_ARCHITECTURE = "DeepseekV4ForCausalLM"
-# transformers' layer type for each compress ratio (formats' table, inverted; its sliding
+# transformers' layer type for each compress ratio (hf_config's table, inverted; its sliding
 # layers have no ratio, branchspec's 0).
-_LAYER_TYPE_OF_RATIO = {ratio or 0: name for name, ratio in _HF_LAYER_TYPES.items()}
+_LAYER_TYPE_OF_RATIO = {ratio or 0: name for name, ratio in HF_LAYER_TYPES.items()}
 _MTP_PREFIX = "mtp.0."
 # MTP tensors with no counterpart in transformers' model keep DeepSeek's (branchspec's) names.
 _MTP_OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight")
@@ -125,7 +128,7 @@ def hf_config_from_branchspec(cfg: ModelConfig, *, dtype: torch.dtype | None = N
                               extra_stop_ids: Sequence[int] = ()) -> dict:
     """The ``config.json`` dict transformers' DeepseekV4 reads for ``cfg``.
 
-    ``formats.hf_config_to_branchspec`` reads it back as ``hf_equivalent_config(cfg)``.
+    ``hf_config.hf_config_to_branchspec`` reads it back as ``hf_equivalent_config(cfg)``.
     ``dtype`` is recorded as ``dtype`` (transformers 5's key; ``torch_dtype`` is its
     deprecated spelling); ``extra_stop_ids`` follow eos in an ``eos_token_id`` list.
     ExportError naming the field for a config transformers cannot express.
@@ -146,7 +149,7 @@ def hf_config_from_branchspec(cfg: ModelConfig, *, dtype: torch.dtype | None = N
         "q_lora_rank": cfg.q_lora_rank,
         "sliding_window": cfg.window,
         "layer_types": [_LAYER_TYPE_OF_RATIO[r] for r in cfg.compress_ratios],
-        "compress_rates": {name: ratio for name, ratio in _HF_LAYER_TYPES.items() if ratio},
+        "compress_rates": {name: ratio for name, ratio in HF_LAYER_TYPES.items() if ratio},
         "index_n_heads": cfg.index_num_heads,
         "index_head_dim": cfg.index_head_dim,
         "index_topk": cfg.index_topk,
@@ -225,7 +228,7 @@ def _mtp_shapes(hf_config: dict, main: Mapping[str, tuple[int, ...]], d_model: i
 
 @dataclass(frozen=True)
 class HFRecipe:
-    """How one HF tensor is built from branchspec tensors (``formats.Recipe`` inverted).
+    """How one HF tensor is built from branchspec tensors (``names.Recipe`` inverted).
 
     op: "copy" (sources[0]), "expert" (expert ``index`` of the stacked sources[0]) or
     "cat" (sources[0] then sources[1] along dim 1: transformers' packed gate_up_proj).
@@ -310,12 +313,9 @@ def _generation_config(hf_config: dict) -> dict:
     return {"_from_model_config": True, **{k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
 
 
-def _write_folder(model: Transformer, out: Path, dtype: torch.dtype | None, extra_stop_ids: Sequence[int],
-                  copy_from: Path | None) -> Path:
-    from safetensors.torch import save_file
-
-    from branchspec.model.weights import resolve_dtype
-
+def write_hf_folder(model: Transformer, out: Path, dtype: torch.dtype | None, extra_stop_ids: Sequence[int],
+                    copy_from: Path | None) -> Path:
+    """``export_hf``'s folder, with ``copy_from``'s tokenizer files beside it (None: none)."""
     target = resolve_dtype(dtype) if dtype is not None else None   # fail before writing anything
     check_new_folder(out)
     hf_config = hf_config_from_branchspec(model.cfg, dtype=target or model.embed.weight.dtype,
@@ -343,35 +343,9 @@ def export_hf(model: Transformer, folder: str | Path, dtype: str | torch.dtype |
     ExportError naming the field for a config transformers cannot express; ImportError
     without transformers (the names come from its model).
     """
-    return _write_folder(model, Path(folder), dtype, extra_stop_ids, None)
+    return write_hf_folder(model, Path(folder), dtype, extra_stop_ids, None)
 
 
-def _source_stop_ids(src: Path) -> list[int]:
-    """Every stop id of a checkpoint folder: its config.json's, then an eos list in its
-    generation_config.json (where ``convert`` keeps an HF eos list)."""
-    ids = list(checkpoint_stop_ids(src))
-    path = src / "generation_config.json"
-    if path.is_file():
-        try:
-            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            eos = None
-        ids += [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool)]
-    return list(dict.fromkeys(ids))
-
-
-def export_hf_folder(src: str | Path, out: str | Path, dtype: str | torch.dtype = "float32") -> Path:
-    """Load any checkpoint folder branchspec reads and write it as an HF ``deepseek_v4``
-    folder at ``out`` (see ``export_hf``), with its tokenizer files and every stop id."""
-    from branchspec.model.weights import load_checkpoint
-
-    src = Path(src)
-    read_config_json(src)                    # FileNotFoundError / ConfigError naming the folder
-    model = load_checkpoint(src, dtype)
-    stop_ids = _source_stop_ids(src)
-    return _write_folder(model, Path(out), dtype, stop_ids[1:], src)
-
-
-__all__ = ["ExportError", "HFRecipe", "check_hf_expressible", "export_hf", "export_hf_folder",
-           "hf_config_from_branchspec", "hf_equivalent_config", "hf_state_shapes", "hf_tensor_plan",
-           "invert_plan", "to_hf_tensors"]
+__all__ = ["ExportError", "HFRecipe", "check_hf_expressible", "export_hf", "hf_config_from_branchspec",
+           "hf_equivalent_config", "hf_state_shapes", "hf_tensor_plan", "invert_plan", "to_hf_tensors",
+           "write_hf_folder"]
