@@ -55,7 +55,7 @@ def test_model_config_from_dict_accepts_json_lists():
     d["compress_ratios"] = [0, 4, 128, 4]
     cfg = ModelConfig.from_dict(d)
     assert cfg.compress_ratios == (0, 4, 128, 4)
-    assert cfg.has_indexer and cfg.compressed_ratios == (4, 128)
+    assert cfg.has_indexer and tuple(c.ratio for c in cfg.compressed_kinds) == (4, 128)
 
 
 def test_config_error_is_value_error():
@@ -90,7 +90,7 @@ def test_unsupported_ratio_rejected(ratio):
 def test_any_ratio_accepted_when_allowed(ratio):
     cfg = tiny_config(compress_ratios=(0, ratio, 128, 4), allow_any_ratio=True)
     assert cfg.compress_ratios == (0, ratio, 128, 4)
-    assert ratio in cfg.compressed_ratios
+    assert ratio in [c.ratio for c in cfg.compressed_kinds]
     # and it round-trips with the flag
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
@@ -326,9 +326,43 @@ def test_empty_stop_string(stop):
 
 def test_engine_config_valid():
     e = EngineConfig(max_batch_size=1, page_size=1, prefill_chunk_size=1, num_pages={"ent4": 3})
-    assert e.num_pages == {"ent4": 3}
-    assert EngineConfig().num_pages == {}  # a fresh dict per instance
-    assert EngineConfig().num_pages is not EngineConfig().num_pages
+    assert dict(e.num_pages) == {"ent4": 3}
+    assert dict(EngineConfig().num_pages) == {}
+
+
+def test_engine_config_is_a_value():
+    """Frozen, comparable and hashable: equal settings are equal configs, whatever order
+    the page counts were given in, and a config survives dataclasses.replace."""
+    import dataclasses
+
+    a = EngineConfig(num_pages={"raw": 4, "ent4": 3})
+    b = EngineConfig(num_pages={"ent4": 3, "raw": 4})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != EngineConfig(num_pages={"raw": 4})
+    assert dataclasses.replace(a, page_size=8).num_pages == a.num_pages
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.page_size = 4
+
+
+def test_every_config_raises_one_family_of_errors():
+    """A wrong type is a ConfigTypeError (a TypeError), a bad value a ConfigError (a
+    ValueError), in every configuration class; both name the field."""
+    from branchspec.config import ConfigTypeError
+
+    for make, field in ((lambda: ModelConfig(d_model="256"), "d_model"),
+                        (lambda: SpecConfig(num_steps="3"), "SpecConfig.num_steps"),
+                        (lambda: SamplingParams(temperature="hot"), "SamplingParams.temperature"),
+                        (lambda: EngineConfig(compile=1), "EngineConfig.compile")):
+        with pytest.raises(ConfigTypeError, match=field) as info:
+            make()
+        assert isinstance(info.value, TypeError) and isinstance(info.value, ConfigError)
+    for make, field in ((lambda: ModelConfig(window=0), "window"),
+                        (lambda: SpecConfig(num_draft_tokens=1), "SpecConfig.num_draft_tokens"),
+                        (lambda: SamplingParams(top_p=0.0), "SamplingParams.top_p"),
+                        (lambda: EngineConfig(page_size=0), "EngineConfig.page_size")):
+        with pytest.raises(ConfigError, match=field) as info:
+            make()
+        assert not isinstance(info.value, TypeError)
 
 
 @pytest.mark.parametrize("field", ["max_batch_size", "page_size", "prefill_chunk_size"])

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from branchspec.checkpoint.fp8 import FP8_BLOCK
-from branchspec.config import ConfigError, ModelConfig, _config_float, _config_int
+from branchspec.config import ConfigError, ModelConfig, check_float, check_int
 
 _MISSING = object()
 
@@ -32,13 +32,13 @@ class Fields:
 
     def int(self, key: str, default=_MISSING) -> int:
         try:
-            return _config_int(key, self.raw(key, default))
+            return check_int(None, key, self.raw(key, default))
         except ConfigError as e:
             raise self.error(str(e)) from None
 
     def float(self, key: str, default=_MISSING) -> float:
         try:
-            return _config_float(key, self.raw(key, default))
+            return check_float(None, key, self.raw(key, default))
         except ConfigError as e:
             raise self.error(str(e)) from None
 
@@ -96,7 +96,7 @@ def read_token_ids(f: Fields) -> tuple[dict, tuple[int, ...]]:
         if not eos_raw:
             raise f.error("eos_token_id is an empty list")
         try:
-            eos_ids = [_config_int(f"eos_token_id[{i}]", e) for i, e in enumerate(eos_raw)]
+            eos_ids = [check_int(None, f"eos_token_id[{i}]", e) for i, e in enumerate(eos_raw)]
         except ConfigError as e:
             raise f.error(str(e)) from None
     else:
@@ -111,7 +111,7 @@ def read_legacy_ratios(f: Fields, key: str, num_layers: int, num_mtp: int) -> li
     ratios = []
     for i, r in enumerate(raw):
         try:
-            ratios.append(_config_int(f"{key}[{i}]", r))
+            ratios.append(check_int(None, f"{key}[{i}]", r))
         except ConfigError as e:
             raise f.error(str(e)) from None
     # DeepSeek writes one more entry for each MTP layer; it must be 0 (sliding only).

@@ -1,0 +1,165 @@
+"""Speculative decoding settings: `SpecConfig` (SGLang's three knobs) and `AutoPolicy`
+(`SpecConfig.auto()`: a configuration chosen per round among candidates)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from branchspec.config.checks import ConfigError, ConfigTypeError, check_float, check_int
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding knobs, named as in SGLang.
+
+    num_steps: draft depth; topk: branching per step (1 = chain);
+    num_draft_tokens: verify budget D per sequence, the root included.
+    """
+
+    num_steps: int = 3
+    topk: int = 2
+    num_draft_tokens: int = 6
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            object.__setattr__(self, name, check_int("SpecConfig", name, getattr(self, name), minimum=1))
+        s, k, d = self.num_steps, self.topk, self.num_draft_tokens
+        if d < 2:
+            raise ConfigError(f"SpecConfig.num_draft_tokens={d} leaves no draft token (the root counts as "
+                             "one); use >= 2")
+        # EAGLE-2 growth yields topk candidates at step 1 and topk^2 at every later step;
+        # the best D-1 of them are kept, so there must be at least that many.
+        max_candidates = k + (s - 1) * k * k
+        if max_candidates < d - 1:
+            need = 1 + -(-(d - 1 - k) // (k * k)) if d - 1 > k else 1
+            raise ConfigError(
+                f"SpecConfig: num_steps={s}, topk={k} draft at most {max_candidates} candidates, fewer "
+                f"than num_draft_tokens-1={d - 1}; use num_steps >= {need} or a larger topk")
+        # Kept nodes are at most D-1 deep, so deeper steps would be drafted and thrown away.
+        if s > d - 1:
+            raise ConfigError(f"SpecConfig.num_steps={s} exceeds num_draft_tokens-1={d - 1}, the deepest "
+                             f"a kept node can be; use num_steps <= {d - 1}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def label(self) -> str:
+        """``chain D=5`` or ``tree 3x2 D=6`` (see `spec_label`)."""
+        if self.is_chain:
+            return f"chain D={self.num_draft_tokens}"
+        return f"tree {self.num_steps}x{self.topk} D={self.num_draft_tokens}"
+
+    def check_model(self, vocab_size: int) -> None:
+        """What only a model can tell: each step takes topk distinct tokens of the vocabulary."""
+        if self.topk > vocab_size:
+            raise ConfigError(f"SpecConfig.topk={self.topk} exceeds the model's vocabulary of {vocab_size} "
+                             f"tokens; use topk <= {vocab_size}")
+
+    @classmethod
+    def chain(cls, num_draft_tokens: int) -> "SpecConfig":
+        d = check_int("SpecConfig", "num_draft_tokens", num_draft_tokens)
+        if d < 2:
+            raise ConfigError(f"a chain needs num_draft_tokens >= 2 (the root plus at least one draft), "
+                             f"got {num_draft_tokens!r}")
+        return cls(num_steps=d - 1, topk=1, num_draft_tokens=d)
+
+
+    @classmethod
+    def auto(cls, candidates=None, *, max_draft_tokens: int = 8, decay: float = 0.9,
+             prior_weight: float = 4.0) -> "AutoPolicy":
+        """Adaptive speculation: before each round the engine picks, from `candidates`
+        (SpecConfigs and None for plain decoding), the one with the most expected emitted
+        tokens per second for the running batch. None takes `default_candidates`."""
+        if candidates is None:
+            candidates = default_candidates(max_draft_tokens)
+        return AutoPolicy(candidates=tuple(candidates), decay=decay, prior_weight=prior_weight)
+
+
+# Tree shapes (num_steps, topk) the default candidate set holds at each budget D >= 4: the
+# study's default grid (bench/grid.py), so the policy can pick whatever a fixed run could.
+AUTO_TREE_SHAPES = ((3, 2), (2, 3), (4, 2), (3, 3))
+
+
+def default_candidates(max_draft_tokens: int = 8) -> tuple["SpecConfig | None", ...]:
+    """No speculation, chains with D = 2..max_draft_tokens, and the trees of
+    `AUTO_TREE_SHAPES` at every D from 4 up (those valid at that D)."""
+    top = check_int("SpecConfig.auto", "max_draft_tokens", max_draft_tokens, minimum=2, maximum=16)
+    out: list[SpecConfig | None] = [None] + [SpecConfig.chain(d) for d in range(2, top + 1)]
+    for d in range(4, top + 1):
+        for steps, topk in AUTO_TREE_SHAPES:
+            try:
+                out.append(SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=d))
+            except ValueError:
+                pass
+    return tuple(out)
+
+
+def spec_label(spec: "SpecConfig | AutoPolicy | None") -> str:
+    """A short, stable name: ``none``, ``chain D=5``, ``tree 3x2 D=6``, ``auto``."""
+    return "none" if spec is None else spec.label
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """Speculation chosen per round (`SpecConfig.auto`). See `spec/policy.py`.
+
+    candidates: SpecConfigs, and None for a plain decode step; decay: how much of a
+    request's acceptance history one of its rounds keeps (0.9: about the last ten rounds);
+    prior_weight: how many of its own observations a request needs before they outweigh
+    the engine-wide acceptance statistics it starts from.
+    """
+
+    candidates: tuple[SpecConfig | None, ...]
+    decay: float = 0.9
+    prior_weight: float = 4.0
+
+    # The policy's acceptance statistics go this deep, and its expected accept length
+    # enumerates every node a candidate could verify: bounds on what a candidate may be.
+    MAX_DEPTH: ClassVar[int] = 16
+    MAX_PATHS: ClassVar[int] = 4096
+
+    def __post_init__(self) -> None:
+        own = "SpecConfig.auto"
+        if not isinstance(self.candidates, tuple) or not self.candidates:
+            raise ConfigError(f"{own}: candidates must be a non-empty list of SpecConfig or None")
+        for i, c in enumerate(self.candidates):
+            if c is not None and not isinstance(c, SpecConfig):
+                raise ConfigTypeError(f"{own}: candidates[{i}] must be a SpecConfig or None, got {type(c).__name__}")
+            if c is None:
+                continue
+            if c.num_steps > self.MAX_DEPTH:
+                raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) drafts {c.num_steps} steps deep; the "
+                                 f"policy's statistics go {self.MAX_DEPTH} deep: use num_steps <= {self.MAX_DEPTH}")
+            paths = sum(c.topk ** d for d in range(1, c.num_steps + 1))
+            if paths > self.MAX_PATHS:
+                raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) could verify {paths} distinct nodes "
+                                 f"(topk ** depth summed over its steps), more than the {self.MAX_PATHS} the "
+                                 f"policy can weigh; use fewer steps or a smaller topk")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ConfigError(f"{own}: candidates hold duplicates")
+        decay = check_float(own, "decay", self.decay)
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"{own}.decay must be in (0, 1), got {decay}")
+        weight = check_float(own, "prior_weight", self.prior_weight)
+        if weight <= 0.0:
+            raise ConfigError(f"{own}.prior_weight must be positive, got {weight}")
+        object.__setattr__(self, "decay", decay)
+        object.__setattr__(self, "prior_weight", weight)
+
+    label: ClassVar[str] = "auto"
+
+    @property
+    def speculative(self) -> tuple[SpecConfig, ...]:
+        return tuple(c for c in self.candidates if c is not None)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The largest verify budget among the candidates (1: plain decoding only)."""
+        return max((c.num_draft_tokens for c in self.speculative), default=1)
+
+    def check_model(self, vocab_size: int) -> None:
+        for c in self.speculative:
+            c.check_model(vocab_size)
