@@ -25,7 +25,7 @@ from branchspec.train.trainer import MODEL_PRESETS, bf16_is_fast
 
 def tokens_per_second(preset: str, precision: str, compiled: bool, batch: int, seq_len: int,
                       warmup: int, steps: int) -> float:
-    model = random_model(MODEL_PRESETS[preset](), seed=0).train()
+    model = random_model(MODEL_PRESETS[preset](), seed=0, expert_dispatch="dense" if compiled else "grouped").train()
     if compiled:
         model.forward = torch.compile(model.forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -22,6 +22,17 @@ def new_cache(model, max_seqs: int = 4, page_size: int = 4, max_len: int = 1024)
                       dtype=model.embed.weight.dtype)
 
 
+def new_runner(model, cache: PagedState, chunk: int = 64):
+    """The engine's runner over `cache` (eager), with an MTP drafter when the model has one."""
+    from branchspec.execution.eager import EagerExecutor
+    from branchspec.engine.runner import ModelRunner
+    from branchspec.speculative.drafter import MTPDrafter
+
+    executor = EagerExecutor(model, cache)
+    drafter = MTPDrafter(model, cache, executor, chunk) if model.mtp else None
+    return ModelRunner(model, cache, executor, drafter, prefill_chunk_size=chunk)
+
+
 @torch.no_grad()
 def feed(model, cache: PagedState, seq_id: int, ids: list[int], start: int, chunk: int) -> torch.Tensor:
     """Append ids (positions start..) to a sequence in chunks; return their logits [n, V]."""
@@ -30,7 +41,7 @@ def feed(model, cache: PagedState, seq_id: int, ids: list[int], start: int, chun
         n = min(chunk, start + len(ids) - L)
         cache.reserve(seq_id, L + n)
         Lt = torch.tensor([L])
-        meta = chain_meta(Lt, n, model.cfg.compressed_ratios)
+        meta = chain_meta(Lt, n, model.cfg.compressed_kinds)
         out = model(torch.tensor([ids[L - start:L - start + n]]), meta, cache.gather([seq_id], Lt))
         cache.commit([seq_id], meta, out.scratch, meta.valid)
         outs.append(out.logits[0])

@@ -408,7 +408,7 @@ def test_the_schema_leaves_no_meta_tensor_behind():
     assert found == []
     model = random_model(cfg, seed=0)
     ids = torch.tensor([[1, 2, 3]])
-    out = model(ids, chain_meta(torch.zeros(1, dtype=torch.long), 3, cfg.compressed_ratios))
+    out = model(ids, chain_meta(torch.zeros(1, dtype=torch.long), 3, cfg.compressed_kinds))
     assert out.logits.shape == (1, 3, cfg.vocab_size) and torch.isfinite(out.logits).all()
 
 

@@ -7,7 +7,7 @@ import torch
 from branchspec.config import tiny_config
 from branchspec.model.init import random_model
 from branchspec.model.metadata import chain_meta
-from helpers import assert_same_state, feed, new_cache, sequential
+from helpers import assert_same_state, feed, new_cache, new_runner, sequential
 from oracle import oracle_logits
 
 T = 300  # C128 boundaries at 128 and 256, C4 boundaries every 4 tokens
@@ -77,7 +77,7 @@ def test_mixed_length_batch_decodes_like_each_alone(tiny64):
         for step in range(steps):
             for sid in range(len(lengths)):
                 cache.reserve(sid, int(L[sid]) + 1)
-            meta = chain_meta(L, 1, tiny64.cfg.compressed_ratios)
+            meta = chain_meta(L, 1, tiny64.cfg.compressed_kinds)
             toks = torch.tensor([[c[step]] for c in cont])
             out = tiny64(toks, meta, cache.gather(list(range(len(lengths))), L))
             cache.commit(list(range(len(lengths))), meta, out.scratch, meta.valid)
@@ -134,7 +134,6 @@ def test_batched_prefill_state_equals_token_by_token(tiny64):
     """The runner prefills admitted requests together, padded to the longest chunk."""
     from branchspec.config import SamplingParams
     from branchspec.engine.request import Sequence
-    from branchspec.engine.runner import ModelRunner
 
     lengths = [5, 131, 300]
     prompts = [_ids(n, seed=20 + i) for i, n in enumerate(lengths)]
@@ -143,8 +142,24 @@ def test_batched_prefill_state_equals_token_by_token(tiny64):
     for s in seqs:
         cache.add(s.seq_id)
         cache.reserve(s.seq_id, len(s.prompt_ids))
-    logits = ModelRunner(tiny64, cache, None, prefill_chunk_size=64).prefill(seqs, with_mtp=True)
+    logits = new_runner(tiny64, cache).prefill(seqs, follow=True).last_logits
     for s, p, lg in zip(seqs, prompts, logits):
         ref_cache, ref_logits = sequential(tiny64, p, chunk=1)
         torch.testing.assert_close(lg, ref_logits[-1], atol=1e-10, rtol=0)
         assert_same_state(cache.snapshot(s.seq_id, len(p)), ref_cache.snapshot(0, len(p)))
+
+
+def test_both_expert_dispatches_compute_the_same_model():
+    """The grouped MoE dispatch (eager's) and the dense one (the compiled path's) are the
+    same function of the same weights, at decode-sized and prefill-sized inputs."""
+    from branchspec.config import tiny_v4_config
+
+    cfg = tiny_v4_config()
+    grouped = random_model(cfg, seed=3, dtype="float64", std=0.3)
+    dense = random_model(cfg, seed=3, dtype="float64", std=0.3, expert_dispatch="dense")
+    for T in (1, 2, 37):
+        ids = torch.tensor([_ids(T, seed=T)])
+        with torch.no_grad():
+            a, b = grouped.full_forward(ids, with_mtp=True), dense.full_forward(ids, with_mtp=True)
+        torch.testing.assert_close(a[0].logits, b[0].logits, atol=1e-10, rtol=0)
+        torch.testing.assert_close(a[1].logits, b[1].logits, atol=1e-10, rtol=0)

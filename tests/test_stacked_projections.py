@@ -23,7 +23,7 @@ def model():
 def forward(model, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.cfg.vocab_size, (2, 40), generator=gen)
-    meta = chain_meta(torch.zeros(2, dtype=torch.long), 40, model.cfg.compressed_ratios)
+    meta = chain_meta(torch.zeros(2, dtype=torch.long), 40, model.cfg.compressed_kinds)
     return model(ids, meta).logits
 
 

@@ -30,7 +30,7 @@ import torch
 from branchspec.cache.pool import BlockPool, OutOfPages
 from branchspec.config import ModelConfig
 from branchspec.model.attention import LayerScratch, LayerState
-from branchspec.model.metadata import ForwardMeta, buffer_rows
+from branchspec.model.metadata import ForwardMeta
 
 
 @dataclass
@@ -58,11 +58,12 @@ def read_states(cfg: ModelConfig, storage: dict[str, torch.Tensor], addr: StateA
         return read[kind][i]
 
     states = []
-    for r in cfg.compress_ratios:
+    for c in cfg.layer_compression:
         st = LayerState(raw_k=next_of("raw"), raw_valid=addr.raw_valid, raw_pos=addr.raw_pos)
-        if r > 0:
+        if c.ratio > 0:
+            r = c.ratio
             st.buf, st.entries, st.entries_valid = next_of(f"buf{r}"), next_of(f"ent{r}"), addr.entries_valid[r]
-            if r == 4:
+            if c.indexer:
                 st.index_buf, st.index_keys = next_of("ibuf"), next_of("ikey")
         states.append(st)
     return states
@@ -86,13 +87,13 @@ def kind_specs(cfg: ModelConfig, page_size: int) -> list[KindSpec]:
     layers_of = lambda r: tuple(i for i, x in enumerate(cfg.compress_ratios) if x == r)  # noqa: E731
     P = page_size
     specs = [KindSpec("raw", tuple(range(cfg.num_layers)), dh, _round_up(cfg.window - 1, P))]
-    for r in cfg.compressed_ratios:
-        c = 2 if r == 4 else 1
-        specs.append(KindSpec(f"buf{r}", layers_of(r), 2 * c * dh, _round_up(buffer_rows(r), P)))
+    for c in cfg.compressed_kinds:
+        r = c.ratio
+        specs.append(KindSpec(f"buf{r}", layers_of(r), 2 * c.row_groups * dh, _round_up(c.buffer_rows, P)))
         specs.append(KindSpec(f"ent{r}", layers_of(r), dh, None, r))
-    if 4 in cfg.compress_ratios:
-        specs.append(KindSpec("ibuf", layers_of(4), 4 * dI, _round_up(buffer_rows(4), P)))
-        specs.append(KindSpec("ikey", layers_of(4), dI, None, 4))
+        if c.indexer:   # the indexer's buffer and keys ("ibuf", "ikey"): one indexed kind per model
+            specs.append(KindSpec("ibuf", layers_of(r), 2 * c.row_groups * dI, _round_up(c.buffer_rows, P)))
+            specs.append(KindSpec("ikey", layers_of(r), dI, None, r))
     if cfg.num_mtp_layers:
         specs.append(KindSpec("mtp", (0,), dh, _round_up(cfg.window - 1, P)))
     return specs
@@ -129,9 +130,6 @@ class PagedState:
         # changed some table: most steps allocate nothing, and building them from Python
         # lists row by row was a large share of a batch-64 step.
         self._table_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        # Gather entries in whole pages (the padding masked by entries_valid), for compiled
-        # steps whose shapes must not change with every new entry.
-        self.pad_entries = False
         # model layer -> (kind, index within kind's storage), per kind family
         self._layer_slot = {(name, l): i for name, s in self.specs.items() for i, l in enumerate(s.layers)}
 
@@ -218,28 +216,32 @@ class PagedState:
         return store[slots]                                          # [B, X, width]
 
     # -- gather ---------------------------------------------------------------------------
-    def addresses(self, seq_ids: list[int], lengths: torch.Tensor) -> StateAddresses:
-        """Where a batch's committed state lives (small index tensors). lengths: [B] committed L."""
+    def addresses(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> StateAddresses:
+        """Where a batch's committed state lives (small index tensors). lengths: [B] committed L.
+
+        `whole_pages`: address committed entries in whole pages (the padding masked by
+        entries_valid), for compiled steps whose shapes must not change with every entry."""
         cfg = self.cfg
         lengths = lengths.to(self.device)
         tables = {n: self._table(n, seq_ids) for n in self.specs if n != "mtp"}
         raw_slots, raw_pos, raw_valid = self._ring_read("raw", tables["raw"], lengths, cfg.window - 1)
         slots, entries_valid = {"raw": raw_slots}, {}
-        for r in cfg.compressed_ratios:
-            slots[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, buffer_rows(r))[0]
+        for c in cfg.compressed_kinds:
+            r = c.ratio
+            slots[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, c.buffer_rows)[0]
             num_entries = lengths // r
             E = int(num_entries.max()) if len(seq_ids) else 0
-            if self.pad_entries:
-                # Whole pages, at least one, and for C4 at least the indexer's top-k: the
+            if whole_pages:
+                # Whole pages, at least one, and under an indexer at least its top-k: the
                 # shape changes every page_size entries, and top-k never has fewer entries
                 # than k to choose from (which the compiler would guard on).
-                least = cfg.index_topk if r == 4 else 1
+                least = cfg.index_topk if c.indexer else 1
                 E = -(-max(E, least) // self.page_size) * self.page_size
             e = torch.arange(E, device=self.device).expand(len(seq_ids), E)   # [B, E] entry numbers
             slots[f"ent{r}"] = self._slots(f"ent{r}", tables[f"ent{r}"], e)
             entries_valid[r] = e < num_entries[:, None]
-            if r == 4:
-                slots["ibuf"] = self._ring_read("ibuf", tables["ibuf"], lengths, buffer_rows(4))[0]
+            if c.indexer:
+                slots["ibuf"] = self._ring_read("ibuf", tables["ibuf"], lengths, c.buffer_rows)[0]
                 slots["ikey"] = self._slots("ikey", tables["ikey"], e)
         return StateAddresses(slots=slots, raw_pos=raw_pos, raw_valid=raw_valid, entries_valid=entries_valid)
 
@@ -261,16 +263,17 @@ class PagedState:
         L = torch.tensor([length], device=self.device)
         states = self.gather([seq_id], L)
         out = {}
-        for l, (r, st) in enumerate(zip(self.cfg.compress_ratios, states)):
+        for l, (c, st) in enumerate(zip(self.cfg.layer_compression, states)):
             keep = st.raw_valid[0, 0]
             out[f"raw/{l}"] = st.raw_k[0, keep]
-            if r > 0:
-                start = (length // r) * r - (r if r == 4 else 0)     # first logical buffer position
+            if c.ratio > 0:
+                r = c.ratio
+                start = (length // r) * r - (r if c.overlap else 0)  # first logical buffer position
                 S = st.buf.shape[1]
                 first = max(start, 0) - (length - S)                 # row of `start` in the gathered window
                 out[f"buf{r}/{l}"] = st.buf[0, first:]
                 out[f"ent{r}/{l}"] = st.entries[0, st.entries_valid[0]]
-                if r == 4:
+                if c.indexer:
                     out[f"ibuf/{l}"] = st.index_buf[0, first:]
                     out[f"ikey/{l}"] = st.index_keys[0, st.entries_valid[0]]
         if mtp_length is not None:
@@ -294,7 +297,8 @@ class PagedState:
         raw_slots = self._slots("raw", tables["raw"], pos)[bi, ni]
         # Where each compress ratio's rows and entries go: the same for every layer of it.
         plans = {}
-        for r in self.cfg.compressed_ratios:
+        for c in self.cfg.compressed_kinds:
+            r = c.ratio
             b2, n2 = self._ring_writes(keep, pos, new_len, self.specs[f"buf{r}"].ring)
             plan = meta.pools[r]
             kept = plan.complete_valid & torch.gather(keep, 1, plan.complete_idx)   # [B, K]
@@ -302,21 +306,19 @@ class PagedState:
             entry = plan.entry_index.clamp(min=0)
             slots = {"buf": self._slots(f"buf{r}", tables[f"buf{r}"], pos)[b2, n2],
                      "ent": self._slots(f"ent{r}", tables[f"ent{r}"], entry)[kb, kk]}
-            if r == 4:
+            if c.indexer:
                 slots["ibuf"] = self._slots("ibuf", tables["ibuf"], pos)[b2, n2]
                 slots["ikey"] = self._slots("ikey", tables["ikey"], entry)[kb, kk]
-            plans[r] = (b2, n2, kb, kk, slots)
+            plans[c] = (b2, n2, kb, kk, slots)
         # One write per kind for all its layers: the layers' scratch stacked, then the kept
         # nodes' values [layers of kind, kept, width] scattered to their slots.
-        def layers(r: int) -> list[LayerScratch]:
-            return [s for s, x in zip(scratch, self.cfg.compress_ratios) if x == r]
-
         self._write_all("raw", raw_slots, torch.stack([s.k for s in scratch])[:, bi, ni])
-        for r, (b2, n2, kb, kk, slots) in plans.items():
-            of_r = layers(r)
+        for c, (b2, n2, kb, kk, slots) in plans.items():
+            r = c.ratio
+            of_r = [s for s, x in zip(scratch, self.cfg.layer_compression) if x == c]
             self._write_all(f"buf{r}", slots["buf"], torch.stack([s.rows for s in of_r])[:, b2, n2])
             self._write_all(f"ent{r}", slots["ent"], torch.stack([s.entries for s in of_r])[:, kb, kk])
-            if r == 4:
+            if c.indexer:
                 self._write_all("ibuf", slots["ibuf"], torch.stack([s.index_rows for s in of_r])[:, b2, n2])
                 self._write_all("ikey", slots["ikey"], torch.stack([s.index_keys for s in of_r])[:, kb, kk])
 

@@ -226,7 +226,8 @@ def checkpoint_stop_ids(folder: str | Path) -> tuple[int, ...]:
     return (kw["eos_token_id"], *extras.extra_stop_ids)
 
 
-def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") -> Transformer:
+def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32", *,
+                    expert_dispatch: str = "grouped") -> Transformer:
     """Load a checkpoint folder: branchspec's own, a Hugging Face ``deepseek_v4`` one or
     DeepSeek's original one (see ``branchspec.checkpoint``; FP8 weights are dequantised).
 
@@ -234,14 +235,15 @@ def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32") ->
     tensor is named in the error (CheckpointError), and a bad config.json field in a
     ConfigError. Everything is checked before a weight is copied into the model; the dtype
     argument before anything is read. Floating tensors are cast to ``dtype``; integer
-    buffers (the hash-routing table) stay integer.
+    buffers (the hash-routing table) stay integer. `expert_dispatch`: how MoE layers run
+    (`Transformer`); the compiled path needs "dense".
     """
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a str or path, got {type(folder).__name__} {folder!r}")
     target = resolve_dtype(dtype)
     ckpt = open_checkpoint(Path(folder))
     try:
-        model = Transformer(ckpt.config)
+        model = Transformer(ckpt.config, expert_dispatch=expert_dispatch)
         expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
         tensors = ckpt.tensors(expected, dtype=target)
     finally:

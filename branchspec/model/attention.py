@@ -13,21 +13,45 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from branchspec.config import ModelConfig
+from branchspec.config import Compression, ModelConfig
 from branchspec.model.layers import RMSNorm, StackedLinear, rope_cos_sin, rope_pair_tables, rotate_pairs, unit_rms
-from branchspec.model.metadata import ForwardMeta, PoolPlan, buffer_rows
+from branchspec.model.metadata import ForwardMeta, PoolPlan
 
 
-def cached_rope(meta: ForwardMeta, key: tuple, positions: torch.Tensor, inv_freq: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pair tables (`layers.rope_pair_tables`) for `positions` under one RoPE table,
-    computed once per forward (`key` names the table and the positions, e.g.
-    ("compress", "nodes") or ("compress", 4))."""
-    key = (*key, dtype)
-    hit = meta.rope_cache.get(key)
-    if hit is None:
-        hit = meta.rope_cache[key] = rope_pair_tables(*rope_cos_sin(positions, inv_freq, dtype))
-    return hit
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # `layers.rope_pair_tables`
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """The RoPE pair tables (`layers.rope_pair_tables`) one forward rotates with, computed
+    once before its first layer and shared by every layer: each table the layers use
+    ("main" for sliding-only layers and the drafter, "compress" for CSA/HCA layers) at the
+    new nodes' positions, and the compressed table at each ratio's entry positions (an
+    entry is rotated at its block-start position)."""
+
+    nodes: dict[str, Tables]      # table name -> tables at meta.positions [B, N]
+    entries: dict[int, Tables]    # ratio -> "compress" tables at meta.pools[ratio].entry_pos [B, K]
+
+    @staticmethod
+    def build(meta: ForwardMeta, inv_freq: dict[str, torch.Tensor], names: tuple[str, ...],
+              dtype: torch.dtype) -> "RopeTables":
+        """names: the tables the forward's layers rotate with; entries are built for every
+        pooling plan in `meta` (none for the drafter's window-only block)."""
+        nodes = {n: rope_pair_tables(*rope_cos_sin(meta.positions, inv_freq[n], dtype)) for n in names}
+        entries = {r: rope_pair_tables(*rope_cos_sin(plan.entry_pos, inv_freq["compress"], dtype))
+                   for r, plan in meta.pools.items()}
+        return RopeTables(nodes=nodes, entries=entries)
+
+
+def rope_table_of(compression: Compression) -> str:
+    """The RoPE table a layer rotates with: V4 gives compressing layers their own base and YaRN."""
+    return "compress" if compression.ratio > 0 else "main"
+
+
+def in_dtype(tables: Tables, dtype: torch.dtype) -> Tables:
+    """The tables in the dtype of what they rotate: the same tensors at inference, where
+    everything is in the model's dtype; a cast under autocast (training in bfloat16)."""
+    return tables if tables[0].dtype == dtype else tuple(t.to(dtype) for t in tables)
 
 
 @dataclass
@@ -58,20 +82,19 @@ class LayerScratch:
     index_keys: torch.Tensor | None = None   # [B, K, d_I]
 
 
-def empty_layer_state(cfg: ModelConfig, ratio: int, batch: int, dtype: torch.dtype,
+def empty_layer_state(cfg: ModelConfig, compression: Compression, batch: int, dtype: torch.dtype,
                       device: torch.device | str = "cpu") -> LayerState:
     """The state of a layer before any token (training and the first prefill chunk)."""
     z = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     st = LayerState(raw_k=z(batch, 0, cfg.head_dim), raw_valid=torch.zeros(batch, 1, 0, dtype=torch.bool, device=device),
                     raw_pos=torch.zeros(batch, 0, dtype=torch.long, device=device))
-    if ratio > 0:
-        c = 2 if ratio == 4 else 1
-        S = buffer_rows(ratio)
+    if compression.ratio > 0:
+        S, c = compression.buffer_rows, compression.row_groups
         st.buf = z(batch, S, 2 * c * cfg.head_dim)
         st.entries = z(batch, 0, cfg.head_dim)
         st.entries_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        if ratio == 4:
-            st.index_buf = z(batch, S, 4 * cfg.index_head_dim)
+        if compression.indexer:     # the indexer's own compressor pools like the layer's
+            st.index_buf = z(batch, S, 2 * c * cfg.index_head_dim)
             st.index_keys = z(batch, 0, cfg.index_head_dim)
     return st
 
@@ -79,20 +102,18 @@ def empty_layer_state(cfg: ModelConfig, ratio: int, batch: int, dtype: torch.dty
 class Compressor(nn.Module):
     """Pools every `ratio` tokens into one entry: per-channel softmax over gate rows.
 
-    C4 (ratio 4) overlaps: entry i pools 8 rows, channels [:dim] of the previous block and
+    Overlapping (C4): entry i pools 2r rows, channels [:dim] of the previous block and
     channels [dim:] of the current block; the missing block before entry 0 is padding.
     Entries are rotated with the compressed layers' RoPE at their block-start position.
     """
 
-    def __init__(self, d_model: int, ratio: int, dim: int, cfg: ModelConfig, inv_freq: torch.Tensor):
+    def __init__(self, d_model: int, compression: Compression, dim: int, cfg: ModelConfig):
         super().__init__()
-        self.ratio, self.dim = ratio, dim
-        self.overlap = ratio == 4
-        width = (2 if self.overlap else 1) * dim
-        self.inv_freq = inv_freq                                    # [rope_dim / 2] float64, compressed layers' table
+        self.ratio, self.dim, self.overlap = compression.ratio, dim, compression.overlap
+        width = compression.row_groups * dim
         self.wkv = nn.Linear(d_model, width, bias=False)
         self.wgate = nn.Linear(d_model, width, bias=False)
-        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.ape = nn.Parameter(torch.zeros(self.ratio, width))
         self.norm = RMSNorm(dim, cfg.norm_eps)
 
     def rows(self, a: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -100,7 +121,7 @@ class Compressor(nn.Module):
         -> [B, N, 2*width] rows (a | g + ape)."""
         return torch.cat([a, g + self.ape[positions % self.ratio]], dim=-1)
 
-    def pool(self, rows_all: torch.Tensor, plan: PoolPlan, meta: ForwardMeta) -> torch.Tensor:
+    def pool(self, rows_all: torch.Tensor, plan: PoolPlan, rope: RopeTables) -> torch.Tensor:
         """rows_all: [B, S + N, 2*width] (committed buffer then new rows) -> entries [B, K, dim]."""
         B, K, span = plan.row_src.shape
         w = rows_all.shape[-1]
@@ -116,23 +137,21 @@ class Compressor(nn.Module):
         g = g.masked_fill(pad, float("-inf"))
         pooled = (torch.softmax(g, dim=2) * a).sum(dim=2)         # [B, K, dim]
         entries = self.norm(pooled)
-        cs = cached_rope(meta, ("compress", self.ratio), plan.entry_pos, self.inv_freq, entries.dtype)
-        return rotate_pairs(entries, cs)
+        return rotate_pairs(entries, in_dtype(rope.entries[self.ratio], entries.dtype))
 
 
 class Indexer(nn.Module):
     """Lightning indexer: ranks visible C4 entries with ReLU-weighted multi-head scores."""
 
-    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, compression: Compression):
         super().__init__()
         self.num_heads, self.head_dim, self.topk = cfg.index_num_heads, cfg.index_head_dim, cfg.index_topk
-        self.inv_freq = inv_freq
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.d_model, self.num_heads, bias=False)
-        self.compressor = Compressor(cfg.d_model, 4, self.head_dim, cfg, inv_freq)
+        self.compressor = Compressor(cfg.d_model, compression, self.head_dim, cfg)
         self.scale = (self.num_heads * self.head_dim) ** -0.5
 
-    def select(self, head_weights: torch.Tensor, c_q: torch.Tensor, meta: ForwardMeta,
+    def select(self, head_weights: torch.Tensor, c_q: torch.Tensor, rope: RopeTables,
                index_keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """head_weights: [B, N, H_I] the input's weights_proj projection; c_q: [B, N, q_lora];
         index_keys: [B, T, d_I]; visible: [B, N, T] bool.
@@ -144,7 +163,7 @@ class Indexer(nn.Module):
         if T == 0:
             return visible
         q = self.wq_b(c_q).view(B, N, self.num_heads, self.head_dim)
-        q = rotate_pairs(q, cached_rope(meta, ("compress", "nodes"), meta.positions, self.inv_freq, q.dtype))
+        q = rotate_pairs(q, in_dtype(rope.nodes["compress"], q.dtype))
         w = head_weights * self.scale                              # [B, N, H_I]
         dots = torch.einsum("bnhd,btd->bnht", q, index_keys).relu()
         score = torch.einsum("bnh,bnht->bnt", w, dots)             # [B, N, T]
@@ -158,15 +177,14 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """One V4 attention layer. `inv_freq` is the layer's RoPE (see `layers.rope_tables`):
-    the main setting for sliding-only layers, the compressed one for C4 and C128 layers."""
+    """One V4 attention layer. It rotates with the main RoPE table when sliding-only, the
+    compressed one (`layers.rope_tables`) when it compresses."""
 
-    def __init__(self, cfg: ModelConfig, ratio: int, inv_freq: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, compression: Compression):
         super().__init__()
-        self.cfg, self.ratio = cfg, ratio
+        self.cfg, self.ratio = cfg, compression.ratio
         H, dh = cfg.num_heads, cfg.head_dim
-        self.inv_freq = inv_freq
-        self.rope_key = "compress" if ratio > 0 else "main"
+        self.rope_name = rope_table_of(compression)
         self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * dh, bias=False)
@@ -179,8 +197,8 @@ class Attention(nn.Module):
         else:
             self.wo = nn.Linear(H * dh, cfg.d_model, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
-        self.compressor = Compressor(cfg.d_model, ratio, dh, cfg, inv_freq) if ratio > 0 else None
-        self.indexer = Indexer(cfg, inv_freq) if ratio == 4 else None
+        self.compressor = Compressor(cfg.d_model, compression, dh, cfg) if compression.ratio > 0 else None
+        self.indexer = Indexer(cfg, compression) if compression.indexer else None
         self.input_proj = StackedLinear(self._input_weights)
 
     def _input_weights(self) -> list[torch.Tensor]:
@@ -195,7 +213,7 @@ class Attention(nn.Module):
             ws += [ic.wkv.weight, ic.wgate.weight, self.indexer.weights_proj.weight]
         return ws
 
-    def forward(self, x: torch.Tensor, meta: ForwardMeta, state: LayerState
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, state: LayerState, rope: RopeTables
                 ) -> tuple[torch.Tensor, LayerScratch]:
         """x: [B, N, d_model] (normed) -> ([B, N, d_model], scratch)."""
         cfg = self.cfg
@@ -206,7 +224,7 @@ class Attention(nn.Module):
         q_a, kv, *rest = self.input_proj(x)                        # one matmul for all of x's projections
         c_q = self.q_norm(q_a)                                     # [B, N, q_lora]
         q = unit_rms(self.wq_b(c_q).view(B, N, H, dh), cfg.norm_eps)
-        cs = cached_rope(meta, (self.rope_key, "nodes"), pos, self.inv_freq, x.dtype)
+        cs = in_dtype(rope.nodes[self.rope_name], x.dtype)
         q = rotate_pairs(q, cs)                                     # [B, N, H, d_h]
         k = rotate_pairs(self.kv_norm(kv), cs)                      # [B, N, d_h]
         scratch = LayerScratch(k=k)
@@ -221,16 +239,16 @@ class Attention(nn.Module):
         if self.compressor is not None:
             plan = meta.pools[self.ratio]
             rows = self.compressor.rows(rest[0], rest[1], pos)
-            new_entries = self.compressor.pool(torch.cat([state.buf, rows], dim=1), plan, meta)  # [B, K, d_h]
+            new_entries = self.compressor.pool(torch.cat([state.buf, rows], dim=1), plan, rope)  # [B, K, d_h]
             scratch.rows, scratch.entries = rows, new_entries
             visible = torch.cat([state.entries_valid[:, None, :].expand(B, N, -1), plan.visible], dim=-1)
             if self.indexer is not None:
                 idx = self.indexer
                 index_rows = idx.compressor.rows(rest[2], rest[3], pos)
-                new_index_keys = idx.compressor.pool(torch.cat([state.index_buf, index_rows], dim=1), plan, meta)
+                new_index_keys = idx.compressor.pool(torch.cat([state.index_buf, index_rows], dim=1), plan, rope)
                 scratch.index_rows, scratch.index_keys = index_rows, new_index_keys
                 all_index_keys = torch.cat([state.index_keys, new_index_keys], dim=1)
-                visible = idx.select(rest[4], c_q, meta, all_index_keys, visible)
+                visible = idx.select(rest[4], c_q, rope, all_index_keys, visible)
             keys += [state.entries, new_entries]
             masks.append(visible)
 

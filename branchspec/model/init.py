@@ -36,8 +36,8 @@ def init_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transf
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "float32",
-                 std: float = 0.02) -> Transformer:
+                 std: float = 0.02, expert_dispatch: str = "grouped") -> Transformer:
     """A model of ``cfg`` with ``init_weights(seed, std)``, drawn in float64 (so every
     dtype gets the same weights, rounded) and returned in ``dtype``, in eval mode."""
-    model = init_weights(Transformer(cfg).to(torch.float64), seed, std)
+    model = init_weights(Transformer(cfg, expert_dispatch=expert_dispatch).to(torch.float64), seed, std)
     return model.to(resolve_dtype(dtype)).eval()

@@ -36,9 +36,9 @@ class StackedLinear:
     see nothing new; a stacked copy is built on first use and rebuilt whenever one of them
     moved (`.to()`) or changed in place (loading, an optimiser step). At decode every
     matmul is mostly call overhead, and a compressed layer's input feeds seven of them.
-    Compiled code uses the copy only when it was frozen for inference before compiling
-    (`build_stacked`, which the engine's runner calls); a model compiled for training keeps
-    the separate matmuls.
+    A copy frozen for inference (`build_stacked`, before compiling: compiled code cannot
+    check the weights' versions) is used as it is; with autograd on (training, compiled or
+    not) the separate matmuls run, so gradients reach the weights.
     """
 
     def __init__(self, weights: Callable[[], list[torch.Tensor]]):
@@ -60,19 +60,17 @@ class StackedLinear:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [..., in] -> one output [..., out_i] per weight."""
-        compiling = torch.compiler.is_compiling()
-        if torch.is_grad_enabled() or (compiling and not self.frozen):
-            # training (gradients must reach the weights), or compiled code, which cannot
-            # check the weights' versions, without a copy frozen for it
+        if torch.is_grad_enabled():
             return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
-        if not compiling:
+        if not self.frozen:
             self.build()
         return list(F.linear(x, self.stacked).split(self.sizes, dim=-1))
 
 
 def build_stacked(module: nn.Module) -> None:
     """Build every StackedLinear copy of `module` and its children now and freeze them for
-    compiled inference: call it before compiling a model whose weights will not change."""
+    compiled inference: call it before compiling a model whose weights will not change
+    (the copies are no longer checked against the weights, eager calls included)."""
     for m in module.modules():
         for value in vars(m).values():
             if isinstance(value, StackedLinear):
@@ -239,6 +237,9 @@ class Gate(nn.Module):
         return weights * cfg.routed_scaling_factor, indices
 
 
+EXPERT_DISPATCH = ("grouped", "dense")
+
+
 class Experts(nn.Module):
     """The routed experts' SwiGLU weights, stacked: w1, w3 [E, I, d], w2 [E, d, I]."""
 
@@ -250,7 +251,7 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(E, d, I))
         self.w3 = nn.Parameter(torch.zeros(E, I, d))
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, d]; indices, weights: [T, k] -> sum of each token's k weighted experts [T, d].
 
         The T*k (token, expert) pairs are sorted by expert, so each chosen expert runs once
@@ -272,14 +273,14 @@ class Experts(nn.Module):
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
-    def every_expert(self, gate: torch.Tensor, up: torch.Tensor, indices: torch.Tensor,
-                     weights: torch.Tensor) -> torch.Tensor:
-        """The compiled path: every expert on every token. gate, up: [T, E*I] all experts'
-        w1 and w3 projections; each expert's activations are scaled by the token's routing
-        weight (0 for experts it did not choose), then all down projections run as one
-        matmul. No shape depends on the routing, so the step compiles into one graph; it
-        does E/k times the routed matmul work, which costs less than the grouped path's
-        per-expert calls while experts are few (the embedded models have 4)."""
+    def dense(self, gate: torch.Tensor, up: torch.Tensor, indices: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token. gate, up: [T, E*I] all experts' w1 and w3
+        projections; each expert's activations are scaled by the token's routing weight (0
+        for experts it did not choose), then all down projections run as one matmul. No
+        shape depends on the routing, so a step compiles into one graph; it does E/k times
+        the routed matmul work, which costs less than the grouped path's per-expert calls
+        while experts are few (the embedded models have 4)."""
         E, I, d = self.w1.shape
         T = gate.shape[0]
         route = torch.zeros(T, E, dtype=gate.dtype, device=gate.device).scatter_add(
@@ -303,45 +304,48 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool):
+    """Routed experts plus a shared one. `dispatch` ("grouped" or "dense", see
+    `Experts.grouped` and `Experts.dense`) is fixed when the module is built."""
+
+    def __init__(self, cfg: ModelConfig, hashed: bool, dispatch: str = "grouped"):
         super().__init__()
+        self.dispatch = dispatch
         self.gate = Gate(cfg, hashed)
         self.experts = Experts(cfg)
         self.shared_experts = SwiGLU(cfg.d_model, cfg.moe_hidden, cfg.swiglu_limit) if cfg.num_shared_experts else None
         # Everything that reads the FFN input: the gate and the shared expert's w1 and w3;
-        # compiled, also every routed expert's w1 and w3. (Bound methods, not lambdas, so
-        # that a deep copy of the model reads its own weights.)
-        self.input_proj = StackedLinear(self._input_weights)
-        self.compiled_input_proj = StackedLinear(self._compiled_input_weights)
+        # dense, also every routed expert's w1 and w3. (Bound methods, not lambdas, so that
+        # a deep copy of the model reads its own weights.)
+        self.input_proj = StackedLinear(self._dense_input_weights if dispatch == "dense" else self._input_weights)
 
     def _input_weights(self) -> list[torch.Tensor]:
         sh = self.shared_experts
         return [self.gate.weight] + ([sh.w1.weight, sh.w3.weight] if sh is not None else [])
 
-    def _compiled_input_weights(self) -> list[torch.Tensor]:
+    def _dense_input_weights(self) -> list[torch.Tensor]:
         return self._input_weights() + [self.experts.w1, self.experts.w3]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x: [..., d]; input_ids: [...] (the hash layers route by them)."""
         flat = x.reshape(-1, x.shape[-1])
         ids = input_ids.reshape(-1)
-        if torch.compiler.is_compiling():
-            logits, *shared, gate, up = self.compiled_input_proj(flat)
+        if self.dispatch == "dense":
+            logits, *shared, gate, up = self.input_proj(flat)
             weights, indices = self.gate.route(logits, ids)
-            y = self.experts.every_expert(gate, up, indices, weights)
+            y = self.experts.dense(gate, up, indices, weights)
         else:
             logits, *shared = self.input_proj(flat)
             weights, indices = self.gate.route(logits, ids)
-            y = self.experts(flat, indices, weights)
+            y = self.experts.grouped(flat, indices, weights)
         if self.shared_experts is not None:
             y = y + self.shared_experts.down(*shared)
         return y.view(x.shape)
 
 
-def feed_forward(cfg: ModelConfig, hashed: bool = False) -> nn.Module:
+def feed_forward(cfg: ModelConfig, hashed: bool = False, expert_dispatch: str = "grouped") -> nn.Module:
     """The block's FFN: a dense SwiGLU, or MoE when the config has experts."""
     if cfg.num_experts:
-        return MoE(cfg, hashed)
+        return MoE(cfg, hashed, expert_dispatch)
     return SwiGLU(cfg.d_model, cfg.ffn_hidden, cfg.swiglu_limit)
 
 

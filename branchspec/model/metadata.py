@@ -18,22 +18,14 @@ positions >= L; node depth = position - L.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-def pool_span(ratio: int) -> int:
-    """Rows pooled into one entry: C4 overlaps two blocks (8 rows), others pool one block."""
-    return 2 * ratio if ratio == 4 else ratio
+from branchspec.config import Compression
 
 
-def buffer_rows(ratio: int) -> int:
-    """Committed compressor rows a forward may need: the last pool_span - 1 positions."""
-    return pool_span(ratio) - 1
-
-
-@dataclass
+@dataclass(frozen=True)
 class PoolPlan:
     """Where each completing node's pooled rows come from, for one compress ratio.
 
@@ -51,16 +43,13 @@ class PoolPlan:
     visible: torch.Tensor         # [B, N, K] bool: node n sees the entry completed by slot k
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardMeta:
     positions: torch.Tensor       # [B, N] absolute position of every new node
     num_committed: torch.Tensor   # [B] L, committed length of each sequence
     ancestor: torch.Tensor        # [B, N, N] bool, ancestor[b, n, m]: m is n or an ancestor of n
     valid: torch.Tensor           # [B, N] bool, False for padding nodes
     pools: dict[int, PoolPlan]    # per compress ratio
-    # RoPE cos/sin computed once per forward and shared by every layer that rotates the
-    # same positions with the same table: {(table, which positions): (cos, sin)}.
-    rope_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -78,9 +67,10 @@ def max_completions(num_nodes: int, ratio: int, chain: bool) -> int:
 
 
 def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: torch.Tensor,
-               valid: torch.Tensor, ratios: tuple[int, ...], chain: bool = False,
+               valid: torch.Tensor, kinds: tuple[Compression, ...], chain: bool = False,
                static: bool = False) -> ForwardMeta:
-    """Derive the pooling plans. `chain=True` promises node n's ancestors are nodes 0..n,
+    """Derive the pooling plans of `kinds` (the model's `compressed_kinds`; () for the
+    drafter's window-only block). `chain=True` promises node n's ancestors are nodes 0..n,
     which lets row sources be computed arithmetically instead of from the ancestor matrix.
 
     `static=True` sizes the completing-node slots K by `max_completions` rather than by
@@ -90,7 +80,7 @@ def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: t
     device = positions.device
     depth = positions - num_committed[:, None]  # [B, N]
     pools = {}
-    if not chain and N > 0 and ratios:
+    if not chain and N > 0 and kinds:
         # anc_at_depth[b, n, d] = the ancestor-or-self of n at depth d (or 0 if none).
         max_depth = int(depth.max()) + 1
         anc_at_depth = torch.zeros(B, N, max_depth + 1, dtype=torch.long, device=device)
@@ -98,9 +88,8 @@ def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: t
         node_ids = torch.arange(N, device=device).expand(B, N, N)
         anc_at_depth.scatter_(2, d_idx, node_ids)
         anc_at_depth = anc_at_depth[..., :max_depth]
-    for r in ratios:
-        span = pool_span(r)
-        S = span - 1
+    for kind in kinds:
+        r, span, S = kind.ratio, kind.span, kind.buffer_rows
         completes = valid & ((positions + 1) % r == 0)                      # [B, N]
         if static:
             K = max_completions(N, r, chain)
@@ -135,7 +124,7 @@ def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: t
                        valid=valid, pools=pools)
 
 
-def chain_meta(num_committed: torch.Tensor, num_new: torch.Tensor | int, ratios: tuple[int, ...],
+def chain_meta(num_committed: torch.Tensor, num_new: torch.Tensor | int, kinds: tuple[Compression, ...],
                max_new: int | None = None, static: bool = False) -> ForwardMeta:
     """Metadata for appending a chain of tokens (prefill chunk, decode step, training).
 
@@ -152,4 +141,35 @@ def chain_meta(num_committed: torch.Tensor, num_new: torch.Tensor | int, ratios:
     causal = idx[:, None] >= idx[None, :]                      # [N, N]
     # Padding nodes see only themselves so their softmax stays finite.
     ancestor = (causal[None] & valid[:, None, :]) | torch.eye(N, dtype=torch.bool, device=device)[None]
-    return build_meta(positions, num_committed, ancestor, valid, ratios, chain=True, static=static)
+    return build_meta(positions, num_committed, ancestor, valid, kinds, chain=True, static=static)
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """parents: [B, D] with parents[:, 0] = -1 -> ancestor-or-self [B, D, D] bool.
+
+    Transitive closure by repeated squaring of the parent relation: ceil(log2 D) matmuls.
+    """
+    B, D = parents.shape
+    eye = torch.eye(D, dtype=torch.bool, device=parents.device).expand(B, D, D)
+    step = torch.zeros(B, D, D + 1, dtype=torch.bool, device=parents.device)
+    step.scatter_(2, torch.where(parents >= 0, parents, D)[..., None], True)
+    reach = step[..., :D] | eye                                 # self or parent
+    hops = 1
+    while hops < D:
+        r = reach.to(torch.float32)
+        reach = torch.bmm(r, r) > 0
+        hops *= 2
+    return reach
+
+
+def tree_meta(parents: torch.Tensor, num_committed: torch.Tensor, kinds: tuple[Compression, ...],
+              static: bool = False) -> ForwardMeta:
+    """Metadata for verifying a batch of draft trees (the verify plan): parents [B, D]
+    (node 0 the root, parents[:, 0] = -1, parents precede children) on top of
+    num_committed [B] tokens. A node sits at position L + its depth and sees its
+    ancestors-or-self; every node is valid. `static` as in `build_meta`."""
+    ancestor = ancestor_matrix(parents)
+    depth = ancestor.sum(-1) - 1                                 # [B, D], root = 0
+    positions = num_committed[:, None] + depth
+    valid = torch.ones_like(parents, dtype=torch.bool)
+    return build_meta(positions, num_committed, ancestor, valid, kinds, static=static)

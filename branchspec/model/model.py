@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from branchspec.config import ModelConfig
-from branchspec.model.attention import Attention, LayerScratch, LayerState, empty_layer_state
-from branchspec.model.layers import RMSNorm, feed_forward, hc_head, hc_post, hc_pre, rope_tables
+from branchspec.config import Compression, ModelConfig
+from branchspec.model.attention import Attention, LayerScratch, LayerState, RopeTables, empty_layer_state, rope_table_of
+from branchspec.model.layers import EXPERT_DISPATCH, RMSNorm, feed_forward, hc_head, hc_post, hc_pre, rope_tables
 from branchspec.model.metadata import ForwardMeta, chain_meta
+
+WINDOW_ONLY = Compression.of(0)    # the drafter's block: a sliding window, no compression
 
 
 class Block(nn.Module):
@@ -25,13 +27,14 @@ class Block(nn.Module):
     back (`layers.hc_pre` / `hc_post`). Without, it is one stream [B, N, d].
     """
 
-    def __init__(self, cfg: ModelConfig, ratio: int, inv_freq: torch.Tensor, hashed: bool = False):
+    def __init__(self, cfg: ModelConfig, compression: Compression, hashed: bool = False,
+                 expert_dispatch: str = "grouped"):
         super().__init__()
-        self.cfg, self.ratio = cfg, ratio
+        self.cfg, self.ratio = cfg, compression.ratio
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, ratio, inv_freq)
+        self.attn = Attention(cfg, compression)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = feed_forward(cfg, hashed)
+        self.ffn = feed_forward(cfg, hashed, expert_dispatch)
         if cfg.hc_mult:
             n = cfg.hc_mult
             rows = (2 + n) * n                       # pre (n), post (n), comb (n x n)
@@ -40,15 +43,15 @@ class Block(nn.Module):
                 self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(rows)))
                 self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
-    def forward(self, h: torch.Tensor, meta: ForwardMeta, state: LayerState, input_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, LayerScratch]:
+    def forward(self, h: torch.Tensor, meta: ForwardMeta, state: LayerState, input_ids: torch.Tensor,
+                rope: RopeTables) -> tuple[torch.Tensor, LayerScratch]:
         """h: [B, N, d] or streams [B, N, n, d]; input_ids: [B, N] (hash-routed experts)."""
         if not self.cfg.hc_mult:
-            a, scratch = self.attn(self.attn_norm(h), meta, state)
+            a, scratch = self.attn(self.attn_norm(h), meta, state, rope)
             h = h + a
             return h + self.ffn(self.ffn_norm(h), input_ids), scratch
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        a, scratch = self.attn(self.attn_norm(x), meta, state)
+        a, scratch = self.attn(self.attn_norm(x), meta, state, rope)
         h = hc_post(a, h, post, comb)
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb), scratch
@@ -86,8 +89,8 @@ class MTP(Block):
     RoPE) with its own hc head and final norm; embedding and LM head are the target's.
     """
 
-    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor):
-        super().__init__(cfg, 0, inv_freq)
+    def __init__(self, cfg: ModelConfig, expert_dispatch: str = "grouped"):
+        super().__init__(cfg, WINDOW_ONLY, expert_dispatch=expert_dispatch)
         self.enorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.e_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -97,18 +100,31 @@ class MTP(Block):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The target model and its drafter block.
+
+    expert_dispatch (MoE models only), chosen once when the modules are built: "grouped"
+    runs each chosen expert once over the tokens routed to it (the least work; its shapes
+    follow the routing), "dense" runs every expert on every token, weighted by its routing
+    (no shape depends on the routing, so a step compiles into one graph). Both compute the
+    same function; see `layers.Experts`.
+    """
+
+    def __init__(self, cfg: ModelConfig, expert_dispatch: str = "grouped"):
         super().__init__()
-        self.cfg = cfg
+        if expert_dispatch not in EXPERT_DISPATCH:
+            raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCH}, got {expert_dispatch!r}")
+        self.cfg, self.expert_dispatch = cfg, expert_dispatch
         self.rope = rope_tables(cfg)                          # {"main", "compress"}: [rope_dim/2] float64
+        # The tables the target's layers rotate with (the drafter's block: "main").
+        self.rope_names = tuple(sorted({rope_table_of(c) for c in cfg.layer_compression}))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(
-            Block(cfg, r, self.rope["compress" if r else "main"], hashed=l < cfg.num_hash_layers)
-            for l, r in enumerate(cfg.compress_ratios))
+            Block(cfg, c, hashed=l < cfg.num_hash_layers, expert_dispatch=expert_dispatch)
+            for l, c in enumerate(cfg.layer_compression))
         add_hc_head(self, cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTP(cfg, self.rope["main"]) for _ in range(cfg.num_mtp_layers))
+        self.mtp = nn.ModuleList(MTP(cfg, expert_dispatch) for _ in range(cfg.num_mtp_layers))
 
     def _streams(self, x: torch.Tensor) -> torch.Tensor:
         """Embedded tokens [B, N, d] -> the residual's starting value (copied into n streams)."""
@@ -123,16 +139,17 @@ class Transformer(nn.Module):
         if states is None:
             states = self.empty_states(B)
         h = self._streams(self.embed(input_ids))
+        rope = RopeTables.build(meta, self.rope, self.rope_names, h.dtype)
         scratch = []
         for layer, state in zip(self.layers, states):
-            h, s = layer(h, meta, state, input_ids)
+            h, s = layer(h, meta, state, input_ids, rope)
             scratch.append(s)
         logits = self.head(self.norm(collapse(self, h, self.cfg)))
         return ForwardOutput(logits=logits, hidden=h.reshape(B, N, -1), scratch=scratch)
 
     def empty_states(self, batch: int) -> list[LayerState]:
         dtype, device = self.embed.weight.dtype, self.embed.weight.device
-        return [empty_layer_state(self.cfg, r, batch, dtype, device) for r in self.cfg.compress_ratios]
+        return [empty_layer_state(self.cfg, c, batch, dtype, device) for c in self.cfg.layer_compression]
 
     # -- drafter ----------------------------------------------------------------------
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
@@ -145,14 +162,15 @@ class Transformer(nn.Module):
         mtp, cfg = self.mtp[0], self.cfg
         B, N = input_ids.shape
         if state is None:
-            state = empty_layer_state(cfg, 0, B, self.embed.weight.dtype, self.embed.weight.device)
+            state = empty_layer_state(cfg, WINDOW_ONLY, B, self.embed.weight.dtype, self.embed.weight.device)
         e = mtp.e_proj(mtp.enorm(self.embed(input_ids)))                     # [B, N, d]
         if cfg.hc_mult:   # every stream of the residual gets the same embedding term
             prev = prev_hidden.view(B, N, cfg.hc_mult, cfg.d_model)
             h = e.unsqueeze(2) + mtp.h_proj(mtp.hnorm(prev))               # [B, N, n, d]
         else:
             h = e + mtp.h_proj(mtp.hnorm(prev_hidden))
-        h, s = Block.forward(mtp, h, meta, state, input_ids)
+        rope = RopeTables.build(meta, self.rope, ("main",), h.dtype)
+        h, s = Block.forward(mtp, h, meta, state, input_ids, rope)
         hidden = h.reshape(B, N, -1)
         return ForwardOutput(logits=self.mtp_logits(hidden) if logits else None, hidden=hidden, scratch=[s])
 
@@ -174,7 +192,7 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         meta = chain_meta(torch.zeros(B, dtype=torch.long, device=input_ids.device), T,
-                          self.cfg.compressed_ratios)
+                          self.cfg.compressed_kinds)
         out = self(input_ids, meta)
         if not with_mtp or not self.mtp:
             return out, None

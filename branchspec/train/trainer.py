@@ -255,7 +255,9 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     streams = Streams.build(tok, tuple(cfg.mix), cfg.max_chars, cfg.mbpp_path)
     sampler = BatchSampler(streams.train, cfg.mix, cfg.batch_size, cfg.seq_len, cfg.seed)
     windows = {w: eval_windows(s, cfg.seq_len, cfg.eval_windows) for w, s in streams.eval.items()}
-    model = init_weights(Transformer(model_cfg), seed=cfg.seed).train()
+    # Compiled, the MoE runs every expert on every token (no shape follows the routing).
+    dispatch = "dense" if cfg.compile else "grouped"
+    model = init_weights(Transformer(model_cfg, expert_dispatch=dispatch), seed=cfg.seed).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
