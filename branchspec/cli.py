@@ -73,7 +73,7 @@ def _generate(args) -> int:
         args.parser.error(str(e))
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile, device=args.device)
     if args.compile:
-        from branchspec.engine.compiled import report_progress
+        from branchspec.execution.compiled import report_progress
 
         report_progress()
         info = llm.warmup(spec, batch_sizes=(1,))
@@ -85,7 +85,7 @@ def _generate(args) -> int:
         out = llm.generate([args.prompt], params, spec=spec)[0]
     st = llm.last_stats
     phases = {k: round(v * 1e3 / max(st.num_rounds, 1), 3) for k, v in st.phase_seconds.items()}
-    auto = isinstance(spec, AutoPolicy)
+    auto = st.policy == "auto"
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "accept_length": out.accept_length,
                           "decode_tok_s": st.decode_throughput, "ms_per_round": phases,

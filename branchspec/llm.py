@@ -17,6 +17,7 @@ from branchspec.config import MAX_SEED, AutoPolicy, EngineConfig, SamplingParams
 from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
+from branchspec.execution import expert_dispatch
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini-v2"
 
@@ -54,6 +55,7 @@ class GenerateStats:
     # D=6", ...) and the seconds the policy spent deciding and learning.
     spec_choices: dict[str, int] = field(default_factory=dict)
     policy_seconds: float = 0.0
+    policy: str = "fixed"           # "fixed" (one configuration) or "auto" (SpecConfig.auto)
 
     @property
     def decode_throughput(self) -> float:
@@ -88,7 +90,7 @@ class LLM:
             raise FileNotFoundError(f"the embedded default checkpoint is missing at {path}; "
                                     "pass a checkpoint folder: LLM('path/to/checkpoint')")
         self.path = path
-        self.model = load_checkpoint(path, dtype).to(device)
+        self.model = load_checkpoint(path, dtype, expert_dispatch=expert_dispatch(compile)).to(device)
         self.tokenizer = None
         if (path / "tokenizer.json").is_file():
             from branchspec.data.tokenizer import Tokenizer
@@ -131,17 +133,14 @@ class LLM:
         warms plain decoding and every candidate. Returns
         {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
         instead}; on an eager LLM it only warms caches."""
-        from branchspec.engine.compiled import compilations, steps_loaded
+        from branchspec.execution.compiled import compilations, steps_loaded
 
-        self.engine.check_spec(spec)
+        policy = self.engine.policy(spec)
         t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
-        specs: list[SpecConfig | None] = [spec]
-        if isinstance(spec, AutoPolicy):
-            self.engine.policy_runner(spec, progress=True)
-            specs = [None] + (list(spec.speculative) if self.engine_config.compile else [])
+        policy.prepare(progress=True)
         prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
         for b in batch_sizes:
-            for s in specs:
+            for s in policy.configurations:
                 # Long enough to cross a page of entries and finish rounds at every accept length.
                 params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
                                         ignore_eos=True, seed=0)
@@ -237,16 +236,15 @@ class LLM:
     def _run(self, encoded: list[list[int]], params_list: list[SamplingParams], spec: SpecConfig | AutoPolicy | None,
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        engine.check_spec(spec)
+        policy = engine.policy(spec)
         for i, (ids, p) in enumerate(zip(encoded, params_list)):   # check all before running any
             engine.validate(ids, p, name=f"prompts[{i}]")
         if not isinstance(use_tqdm, bool):
             raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
-        engine.runner.timer.reset()
+        engine.phase_seconds.clear()
         steps_before = engine.num_steps
-        policy = engine.policy_runner(spec) if isinstance(spec, AutoPolicy) else None
-        choices_before = dict(policy.counts) if policy is not None else {}
-        policy_seconds_before = policy.decide_seconds if policy is not None else 0.0
+        choices_before = dict(policy.counts)
+        policy_seconds_before = policy.decide_seconds
         seqs = [engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
         bar = None
         if use_tqdm:
@@ -263,10 +261,10 @@ class LLM:
                 bar.close()
         elapsed = time.perf_counter() - t_start
         self.last_stats = self._stats(engine, seqs, elapsed, engine.num_steps - steps_before)
-        if policy is not None:
-            self.last_stats.spec_choices = {k: v - choices_before.get(k, 0) for k, v in policy.counts.items()
-                                            if v - choices_before.get(k, 0) > 0}
-            self.last_stats.policy_seconds = policy.decide_seconds - policy_seconds_before
+        self.last_stats.spec_choices = {k: v - choices_before.get(k, 0) for k, v in policy.counts.items()
+                                        if v - choices_before.get(k, 0) > 0}
+        self.last_stats.policy_seconds = policy.decide_seconds - policy_seconds_before
+        self.last_stats.policy = policy.name
         return [self._output(s) for s in seqs]
 
     @staticmethod
@@ -280,7 +278,7 @@ class LLM:
 
     @staticmethod
     def _stats(engine: Engine, seqs: list[Sequence], elapsed: float, num_steps: int) -> GenerateStats:
-        phases = dict(engine.runner.timer.seconds)
+        phases = dict(engine.phase_seconds)
         prefill = phases.pop("prefill", 0.0)
         rounds = sum(s.stats.num_rounds for s in seqs)
         emitted = sum(s.stats.num_emitted for s in seqs)

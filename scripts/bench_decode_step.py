@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
 from branchspec.config import tiny_config, v4_mini_config, v4_mini_v2_config
+from branchspec.execution import expert_dispatch, make_executor
 from branchspec.model.init import random_model
 from branchspec.model.layers import Experts
 from branchspec.model.metadata import chain_meta
@@ -28,33 +29,20 @@ from branchspec.model.metadata import chain_meta
 
 @torch.no_grad()
 def step_times(model, batch: int, context: int, steps: int, compiled: bool = False) -> list[float]:
+    """One plain decode step (read state -> forward -> commit) through the engine's
+    executor, eager or compiled, over `context` committed tokens per sequence."""
     cfg = model.cfg
     cache = PagedState(cfg, max_seqs=batch, max_len=context + steps + 4, page_size=16)
-
-    def decode(tokens, ids, L):   # -> (ForwardOutput, ForwardMeta)
-        meta = chain_meta(L, 1, cfg.compressed_ratios)
-        return model.forward(tokens, meta, cache.gather(ids, L)), meta
-
-    if compiled:
-        from branchspec.engine.compiled import Pools, compile_steps
-        from branchspec.model.layers import build_stacked
-
-        build_stacked(model)
-        step, pools = compile_steps(model)[1], Pools(cache.storage)
-        cache.pad_entries = True
-
-        def decode(tokens, ids, L):   # metadata and committed state built in the graph
-            return step(tokens, L, pools, cache.addresses(ids, L))
-
+    executor = make_executor(model, cache, compiled)
     ids = list(range(batch))
     for sid in ids:
         cache.add(sid)
         cache.reserve(sid, context)
     # Fill the context with one batched prefill chunk (eager).
     L = torch.zeros(batch, dtype=torch.long)
-    meta = chain_meta(L, context, cfg.compressed_ratios)
+    meta = chain_meta(L, context, cfg.compressed_kinds)
     tokens = torch.randint(3, cfg.vocab_size, (batch, context))
-    out = model(tokens, meta, cache.gather(ids, L))
+    out = executor.prefill(tokens, meta, ids, L)
     cache.commit(ids, meta, out.scratch, meta.valid)
     L = L + context
     times = []
@@ -62,14 +50,11 @@ def step_times(model, batch: int, context: int, steps: int, compiled: bool = Fal
         for sid in ids:
             cache.reserve(sid, int(L[0]) + 1)
         t0 = time.perf_counter()
-        out, meta = decode(torch.randint(3, cfg.vocab_size, (batch, 1)), ids, L)
+        out, meta = executor.decode(torch.randint(3, cfg.vocab_size, (batch, 1)), ids, L)
         cache.commit(ids, meta, out.scratch, meta.valid)
         times.append(time.perf_counter() - t0)
         L = L + 1
     return times[3:]
-
-
-PRESETS = {"tiny": tiny_config, "v4-mini": v4_mini_config, "v4-mini-v2": v4_mini_v2_config}
 
 
 @torch.no_grad()
@@ -111,11 +96,12 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         cfg = PRESETS[name]()
-        model = random_model(cfg, seed=0)
+        models = {path: random_model(cfg, seed=0, expert_dispatch=expert_dispatch(path == "compiled"))
+                  for path in paths}    # the same weights; MoE dispatch as each path runs it
         for batch in (1, 64):
-            floor = statistics.median(floor_times(model, batch, args.steps))
+            floor = statistics.median(floor_times(models["eager"], batch, args.steps))
             for path in paths:
-                t = statistics.median(step_times(model, batch, args.context, args.steps, path == "compiled"))
+                t = statistics.median(step_times(models[path], batch, args.context, args.steps, path == "compiled"))
                 rows.append({"model": name, "path": path, "batch": batch, "context": args.context,
                              "median_ms": 1e3 * t, "floor_ms": 1e3 * floor, "x_floor": t / floor,
                              "tok_per_s": batch / t})

@@ -19,7 +19,7 @@ import time
 import torch
 
 from branchspec import LLM, SamplingParams, SpecConfig
-from branchspec.engine.compiled import compilations
+from branchspec.execution.compiled import compilations
 
 PROMPT = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many "
           "clips in May. How many clips did Natalia sell altogether?\nAnswer:")

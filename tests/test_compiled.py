@@ -15,7 +15,7 @@ import torch
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
-from branchspec.engine.compiled import compilations, steps_loaded
+from branchspec.execution.compiled import compilations, steps_loaded
 from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
@@ -108,3 +108,18 @@ def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt, caplog):
     assert ([o.token_ids for o in again.generate(PROMPTS[:2], params)]
             == [o.token_ids for o in eager.generate(PROMPTS[:2], params)])
 
+
+
+def test_a_compiled_engine_needs_the_dense_expert_dispatch():
+    """No shape of a compiled step may follow the MoE routing: the model is built with
+    the dense dispatch (LLM(compile=True) does it), and a grouped one is refused."""
+    from branchspec.cache.paged import PagedState
+    from branchspec.config import tiny_v4_config
+    from branchspec.execution.compiled import CompiledExecutor
+    from branchspec.model.init import random_model
+
+    cfg = tiny_v4_config()
+    cache = PagedState(cfg, max_seqs=1, max_len=64)
+    with pytest.raises(ValueError, match="expert_dispatch='dense'"):
+        CompiledExecutor(random_model(cfg), cache)
+    CompiledExecutor(random_model(cfg, expert_dispatch="dense"), cache)    # compiles nothing until called

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="the [hf] extra (trans
 
 from branchspec import LLM, SamplingParams, SpecConfig  # noqa: E402
 from branchspec.model.layers import rope_tables  # noqa: E402
-from branchspec.spec.tree import build_verify_plan  # noqa: E402
+from branchspec.model.metadata import tree_meta  # noqa: E402
 from helpers import feed, lifted_float32_islands, new_cache  # noqa: E402
 
 V = 64
@@ -168,10 +168,10 @@ def test_tree_paths(llm, hf_model, exact_transformers, L):
     cache = new_cache(model, max_seqs=1)
     cache.add(0)
     feed(model, cache, 0, prefix, 0, chunk=64)
-    plan = build_verify_plan(torch.tensor([parents]), torch.tensor([L]), model.cfg.compressed_ratios)
+    meta = tree_meta(torch.tensor([parents]), torch.tensor([L]), model.cfg.compressed_kinds)
     cache.reserve(0, L + len(parents))
     with torch.no_grad():
-        out = model(torch.tensor([tokens]), plan.meta, cache.gather([0], torch.tensor([L])))
+        out = model(torch.tensor([tokens]), meta, cache.gather([0], torch.tensor([L])))
     for node in range(len(parents)):
         path_ids = prefix + [tokens[i] for i in _path(parents, node)]
         torch.testing.assert_close(out.logits[0, node], hf_logits(hf_model, path_ids)[-1], atol=1e-12, rtol=0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import branchspec.engine.engine as engine_module
+import branchspec.sampling as sampling_module
 import branchspec.engine.runner as runner_module
 from branchspec.checkpoint import load_checkpoint, save_checkpoint
 from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
@@ -107,7 +107,7 @@ def test_nothing_unless_asked_and_no_work(llm, monkeypatch):
         raise AssertionError("logprobs computed although no request asked")
 
     monkeypatch.setattr(runner_module, "logprob_dicts", boom)
-    monkeypatch.setattr(engine_module, "logprob_dicts", boom)
+    monkeypatch.setattr(sampling_module, "logprob_dicts", boom)
     monkeypatch.setattr(llm.engine.runner, "_collect_prompt_logprobs", boom)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     for spec in (None, TREE):
@@ -272,9 +272,9 @@ def test_preemption_keeps_prompt_logprobs_single_and_correct(ckpt, spec):
             preempted.append(preempt())
             return preempted[-1]
 
-        def counting_collect(seqs, active, counts, logits, prompt_lps):
+        def counting_collect(seqs, active, done, counts, logits, prompt_lps):
             before = {i: len(v) for i, v in prompt_lps.items()}
-            collect(seqs, active, counts, logits, prompt_lps)
+            collect(seqs, active, done, counts, logits, prompt_lps)
             collected.extend(len(v) - before[i] for i, v in prompt_lps.items())
 
         engine.scheduler.preempt = counting_preempt

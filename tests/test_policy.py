@@ -9,8 +9,12 @@ import torch
 
 from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates, spec_label
 from branchspec.llm import LLM
-from branchspec.spec.policy import (NEW_REQUEST, AcceptanceStats, CostModel, SpecPolicyRunner, calibration_batches,
-                                    load_or_calibrate)
+from branchspec.speculative.policy import BatchView
+from branchspec.speculative.policy.acceptance import NEW_REQUEST, AcceptanceStats
+from branchspec.speculative.policy.adaptive import AdaptivePolicy
+from branchspec.speculative.policy.costs import CostModel, calibration_batches, grid_tokens, load_or_calibrate
+from branchspec.speculative.policy.tuning import TUNING, Tuning
+from branchspec.speculative.round import RoundResult
 from conftest import markov_batches
 from test_spec_decode import chi2_sf
 
@@ -20,20 +24,32 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path / "cache"))
 
 
+def choose(policy, seq_ids, lag=None, remaining=None, context=None):
+    """policy.choose over requests `seq_ids` (no drafter lag, no budget cap unless given)."""
+    return policy.choose(BatchView(seq_ids, lag or [0] * len(seq_ids), remaining or [], context))
+
+
+def observe(policy, spec, seq_ids, seconds, children=None, targets=None, path_len=None, context=None):
+    """policy.observe of a round of `spec` that took `seconds`, with its path observations."""
+    result = RoundResult(spec=spec, emitted=[], path_len=path_len or [1] * len(seq_ids), path_children=children,
+                         path_targets=targets, seconds=seconds)
+    policy.observe(BatchView(seq_ids, [0] * len(seq_ids), [], context), result)
+
+
 CYCLE = (None, SpecConfig.chain(4), None, None, SpecConfig(3, 2, 6), SpecConfig(2, 3, 5), None,
          SpecConfig.chain(8))
 
 
 def force_cycle(llm: LLM, policy: AutoPolicy, order=CYCLE):
     """Make the policy run `order` round after round (each rounds' outcome still observed)."""
-    runner = llm.engine.policy_runner(policy)
+    runner = llm.engine.policy(policy)
     choices = itertools.cycle(order)
 
-    def choose(seq_ids, **pending):
+    def forced(batch):
         pick = next(choices)
         runner.counts[spec_label(pick)] += 1
         return pick
-    runner.choose = choose
+    runner.choose = forced
     return runner
 
 
@@ -85,21 +101,21 @@ def run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag: bool =
     model = load_checkpoint(trained_ckpt, "float64")
     engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4))
     if skip_lag:    # a drafter that forgets what plain rounds committed
-        engine.runner.catch_up_drafter = lambda seqs: [s.drafter_lag.clear() for s in seqs]
+        engine.drafter.catch_up = lambda seq_ids, lengths: [engine.drafter.state(s).lag.clear() for s in seq_ids]
     policy = SpecConfig.auto()
-    runner = engine.policy_runner(policy)
+    runner = engine.policy(policy)
     order = iter([None, None, None, SpecConfig(3, 2, 6), None, SpecConfig.chain(5)])
-    runner.choose = lambda seq_ids, **pending: next(order)
+    runner.choose = lambda batch: next(order)
     seqs = [engine.add_request(prompts[i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in (1, 6)]
     for _ in range(6):
         engine.step(policy)
     for seq in seqs:
         L = seq.num_committed
-        assert not seq.finished and not seq.drafter_lag
+        assert not seq.finished and not engine.drafter.lag(seq.seq_id)
         drafter, last_hidden = sequential_drafter(model, seq.token_ids[:L])
         got = engine.cache.snapshot(seq.seq_id, L, mtp_length=L)
         assert_same_state({"mtp/0": got["mtp/0"]}, drafter)
-        torch.testing.assert_close(seq.last_hidden, last_hidden, atol=1e-10, rtol=0)
+        torch.testing.assert_close(engine.drafter.state(seq.seq_id).last_hidden, last_hidden, atol=1e-10, rtol=0)
 
 
 def test_drafter_state_after_plain_rounds_equals_sequential(trained_ckpt, prompts):
@@ -171,7 +187,7 @@ def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
 def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
     """Every default candidate, random acceptance for three requests: 1 + the sum of the
     D-1 largest path products among the nodes within its depth and branching."""
-    from branchspec.spec.policy import MAX_DEPTH, OFF, candidate_paths
+    from branchspec.speculative.policy.acceptance import MAX_DEPTH, OFF, candidate_paths
     policy = SpecConfig.auto()
     stats = AcceptanceStats(policy)
     rng = np.random.default_rng(0)
@@ -247,23 +263,22 @@ def test_requests_learn_their_own_acceptance():
 
 
 def flat_costs(target_ms: float, mtp_ms: float) -> CostModel:
-    shape = (2, len(CostModel.TOKENS), 1)
-    return CostModel((1, 64), np.full(shape, target_ms / 1e3), np.full(shape, mtp_ms / 1e3), contexts=(128,))
+    return CostModel.flat(target_ms / 1e3, mtp_ms / 1e3, candidates=SpecConfig.auto().candidates)
 
 
 def test_policy_speculates_when_drafts_are_cheap_and_accepted_and_not_otherwise():
     policy = SpecConfig.auto()
     chain8 = SpecConfig.chain(8)
     # Cheap drafts, everything accepted: the deepest candidate wins.
-    runner = SpecPolicyRunner(policy, flat_costs(10.0, 0.1))
+    runner = AdaptivePolicy(policy, flat_costs(10.0, 0.1))
     for _ in range(20):
-        runner.observe(chain8, [0], 0.011, *chain_outcome(7, depth=7), [8])
-    assert runner.choose([0]).num_draft_tokens == 8
+        observe(runner, chain8, [0], 0.011, *chain_outcome(7, depth=7), [8])
+    assert choose(runner, [0]).num_draft_tokens == 8
     # Drafts as dear as the target, nothing accepted: plain decoding.
-    runner = SpecPolicyRunner(policy, flat_costs(10.0, 10.0))
+    runner = AdaptivePolicy(policy, flat_costs(10.0, 10.0))
     for _ in range(20):
-        runner.observe(chain8, [0], 0.1, *chain_outcome(0, depth=7), [1])
-    assert runner.choose([0]) is None
+        observe(runner, chain8, [0], 0.1, *chain_outcome(0, depth=7), [1])
+    assert choose(runner, [0]) is None
     assert runner.counts == {"none": 1}
 
 
@@ -271,29 +286,30 @@ def test_unlucky_rounds_do_not_rule_speculation_out_for_good():
     """Three rounds with nothing accepted make plain decoding look better; plain rounds
     then let that evidence fade, so speculation is tried again before long."""
     chain4 = SpecConfig.chain(4)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
-    assert runner.choose([5]) == chain4                       # the optimistic prior
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+    assert choose(runner, [5]) == chain4                       # the optimistic prior
     for _ in range(3):
-        runner.observe(chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
+        observe(runner, chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
     runner._last_batch = None
-    assert runner.choose([5]) is None
+    assert choose(runner, [5]) is None
     low = runner.stats.acceptance([5])[0, 0, 0, 0]
     assert low < 0.5 and runner.calibration(chain4) < 0.9
     picks = []
     for _ in range(60):
-        runner.observe(None, [5], 0.010)
-        picks.append(runner.choose([5]))
+        observe(runner, None, [5], 0.010)
+        picks.append(choose(runner, [5]))
     assert chain4 in picks
     # Both the request's own evidence and the calibration fade in plain rounds.
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     for _ in range(2):
-        runner.observe(chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
+        observe(runner, chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
     other = runner.stats.acceptance([6])[0, 0, 0, 0]          # a new request: engine-wide only
+    runner.stats.tuning = Tuning(relax_rate=0.0)             # the engine-wide estimate stays put
     for _ in range(30):
-        runner.stats.relax([5], rate=0.0)
+        runner.stats.relax([5])
     assert runner.stats.acceptance([5])[0, 0, 0, 0] == pytest.approx(other, abs=0.02)
     for _ in range(100):
-        runner.observe(None, [5], 0.010)
+        observe(runner, None, [5], 0.010)
     assert runner.calibration(chain4) == pytest.approx(1.0, abs=0.05)
 
 
@@ -302,7 +318,7 @@ def test_a_shape_is_judged_by_its_kind_until_its_own_evidence_adds_up():
     way (shrunk towards the trees' as a whole); that evidence fades while other shapes run;
     many unlucky rounds do condemn it."""
     tree_a, tree_b = SpecConfig(3, 2, 6), SpecConfig(2, 3, 6)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(tree_a, tree_b)), flat_costs(10.0, 0.5))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(tree_a, tree_b)), flat_costs(10.0, 0.5))
     for _ in range(20):
         runner._calibrate(tree_b, observed=4.0, predicted=4.0, batch=1)     # as predicted
     runner._calibrate(tree_a, observed=1.0, predicted=4.0, batch=1)         # nothing accepted
@@ -319,24 +335,23 @@ def test_a_shape_is_judged_by_its_kind_until_its_own_evidence_adds_up():
 def test_plain_rounds_applied_together_equal_one_at_a_time():
     """Plain rounds are only counted as they come and applied when an estimate is next
     needed: the result is that of applying them one by one, also across a batch change."""
-    from branchspec.spec.policy import PLAIN_FADE
     chain4, tree = SpecConfig.chain(4), SpecConfig(3, 2, 6)
     policy = AutoPolicy(candidates=(None, chain4, tree))
 
     def trained():
-        runner = SpecPolicyRunner(policy, flat_costs(10.0, 0.5))
+        runner = AdaptivePolicy(policy, flat_costs(10.0, 0.5))
         runner._predicted_per_request = 3.0
         for sid in (5, 6):
             runner.last_choice = chain4
-            runner.observe(chain4, [sid], 0.013, *chain_outcome(1, depth=3), [2])
+            observe(runner, chain4, [sid], 0.013, *chain_outcome(1, depth=3), [2])
         return runner
 
     lazy, eager = trained(), trained()
     for batch, rounds in (([5, 6], 7), ([5], 3)):
         for _ in range(rounds):
-            lazy.observe(None, batch, 0.010)
+            observe(lazy, None, batch, 0.010)
             eager.stats.relax(batch)
-            eager._fade_calibration(PLAIN_FADE)
+            eager._fade_calibration(TUNING.plain_fade)
     assert lazy.calibration(chain4) == pytest.approx(eager.calibration(chain4), rel=1e-12)
     assert lazy.calibration(tree) == pytest.approx(eager.calibration(tree), rel=1e-12)
     np.testing.assert_allclose(lazy.stats.acceptance([5, 6, NEW_REQUEST]),
@@ -371,15 +386,15 @@ def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():
     """Speculating after the drafter fell behind (a deferred prompt) first costs one
     drafter pass over the lag: worth it for a long generation, not for a few tokens."""
     chain4 = SpecConfig.chain(4)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.stats.expected_accept = lambda ids: np.full((len(ids), 1), 2.0)     # 2 tokens a round
-    assert runner.choose([1], lag=[0], remaining=[100]) == chain4
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+    assert choose(runner, [1], lag=[0], remaining=[100]) == chain4
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.stats.expected_accept = lambda ids: np.full((len(ids), 1), 2.0)
     runner.costs.catch_up_seconds = lambda batch, lag, context=None: 0.5e-3 * lag
-    assert runner.choose([1], lag=[600], remaining=[1000]) == chain4
+    assert choose(runner, [1], lag=[600], remaining=[1000]) == chain4
     runner._last_batch = None
-    assert runner.choose([1], lag=[600], remaining=[8]) is None
+    assert choose(runner, [1], lag=[600], remaining=[8]) is None
 
 
 def test_a_policy_that_never_speculates_never_runs_the_drafter(trained_ckpt, prompts, params):
@@ -407,30 +422,37 @@ def test_the_drafter_is_prefilled_with_the_target_when_speculation_is_expected(t
 
     engine = Engine(load_checkpoint(trained_ckpt, "float64"), EngineConfig(max_batch_size=2))
     policy = SpecConfig.auto()
-    runner = engine.policy_runner(policy)
+    runner = engine.policy(policy)
     assert runner.expects_speculation(2)
     seq = engine.add_request(prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine._admit(policy)
-    assert not seq.drafter_lag
+    engine._admit(runner)
+    assert not engine.drafter.lag(seq.seq_id)
 
     runner.stats.global_hits[:] = 0.0
     assert not runner.expects_speculation(2)
     late = engine.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine._admit(policy)
-    assert len(late.drafter_lag) == len(prompts[3])
+    engine._admit(runner)
+    assert engine.drafter.lag(late.seq_id) == len(prompts[3])
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
     from branchspec.checkpoint import load_checkpoint
-    import branchspec.spec.policy as policy_mod
+    import branchspec.speculative.policy.costs as costs_mod
+    from branchspec.cache.paged import PagedState
+    from branchspec.execution.eager import EagerExecutor
 
     model = load_checkpoint(trained_ckpt, "float32")
-    first = load_or_calibrate(model, 4)
+    executor = EagerExecutor(model, PagedState(model.cfg, max_seqs=1, max_len=256))
+    candidates = (None, SpecConfig.chain(3), SpecConfig(2, 2, 4))
+    first = load_or_calibrate(executor, 4, candidates)
     assert first.batches == calibration_batches(4) == (1, 4)
-    assert (first.target > 0).all() and (first.mtp > 0).all()
-    monkeypatch.setattr(policy_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
-    again = load_or_calibrate(model, 4)
-    np.testing.assert_array_equal(again.target, first.target)
+    # Timed at the node counts these candidates run: plain decoding and D = 3, 4 verifies;
+    # the 2x2 tree's frontier (2) and draft extends of D + 1 = 4, 5 nodes.
+    assert first.grids["target"][0] == (1, 3, 4) and first.grids["drafter"][0] == (1, 2, 4, 5)
+    assert all((seconds > 0).all() for _, seconds in first.grids.values())
+    monkeypatch.setattr(costs_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    again = load_or_calibrate(executor, 4, candidates)
+    np.testing.assert_array_equal(again.grids["target"][1], first.grids["target"][1])
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -484,32 +506,32 @@ def test_cli_refuses_contradicting_policy_flags(argv, message, capsys):
 
 
 def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
-    from branchspec.spec import policy as policy_mod
-
+    
     chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
     rates = {"chain D=3": 100.0, "chain D=4": 101.0}
     runner.stats.expected_accept = lambda ids: np.ones((len(ids), 2))
     runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
-    first = runner.choose([1])
+    first = choose(runner, [1])
     assert first == chain4
     rates["chain D=3"] = 102.0                        # better by 1%, inside the margin
-    for _ in range(3 * policy_mod.REDECIDE_EVERY):
-        assert runner.choose([1]) == chain4
+    for _ in range(3 * TUNING.redecide_every):
+        assert choose(runner, [1]) == chain4
     rates["chain D=3"] = 110.0                        # clearly better: switch at the next decision
-    picks = [runner.choose([1]) for _ in range(policy_mod.REDECIDE_EVERY)]
+    picks = [choose(runner, [1]) for _ in range(TUNING.redecide_every)]
     assert picks[-1] == chain3
-    assert runner.choose([1, 2]) == chain3            # a new batch decides at once
+    assert choose(runner, [1, 2]) == chain3            # a new batch decides at once
 
 
 def test_round_costs_follow_the_context():
     """Forwards are measured over a short and a long context: a prediction interpolates
     between them, keeps the longer one's slope beyond it, and an overhead is what a round
     took beyond the prediction at its own context."""
-    shape = (2, len(CostModel.TOKENS), 2)
-    target = np.empty(shape)
+    tokens = grid_tokens(SpecConfig.auto().candidates)
+    target = np.empty((2, len(tokens["target"]), 2))
     target[..., 0], target[..., 1] = 0.010, 0.014                       # 10 ms over 128, 14 ms over 512
-    costs = CostModel((1, 64), target, np.full(shape, 0.001), contexts=(128, 512))
+    grids = {name: (t, target if name == "target" else np.full((2, len(t), 2), 0.001)) for name, t in tokens.items()}
+    costs = CostModel((1, 64), grids, contexts=(128, 512))
     assert costs.predict(None, 1, 128) == pytest.approx(0.010)
     assert costs.predict(None, 1, 320) == pytest.approx(0.012)
     assert costs.predict(None, 1, 896) == pytest.approx(0.018)
@@ -522,27 +544,26 @@ def test_round_costs_follow_the_context():
     again = CostModel.from_dict(costs.to_dict())
     assert again.contexts == (128, 512) and again.predict(None, 1, 320) == pytest.approx(0.012)
     with pytest.raises(ValueError, match="shape"):
-        CostModel((1, 64), target[..., :1], target[..., :1], contexts=(128, 512))
+        CostModel((1, 64), {**grids, "target": (tokens["target"], target[..., :1])}, contexts=(128, 512))
 
 
 def test_speculation_must_clearly_beat_plain_decoding():
     """Near a tie plain decoding stays: speculation's estimate has more ways to be wrong.
     A switch between the two is judged again after PROBE_ROUNDS rounds, not a full period."""
-    from branchspec.spec import policy as policy_mod
-
+    
     chain3 = SpecConfig.chain(3)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
     rates = {"none": 100.0, "chain D=3": 101.0}
     runner.stats.expected_accept = lambda ids: np.ones((len(ids), 1))
     runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
-    assert runner.choose([1]) is None
+    assert choose(runner, [1]) is None
     runner._last_batch = None
-    rates["chain D=3"] = 100.0 * (1 + policy_mod.PLAIN_MARGIN) * (1 + policy_mod.SWITCH_MARGIN) * 1.01
-    assert runner.choose([1]) == chain3
+    rates["chain D=3"] = 100.0 * (1 + TUNING.plain_margin) * (1 + TUNING.switch_margin) * 1.01
+    assert choose(runner, [1]) == chain3
     rates["chain D=3"] = 50.0                          # the switch was wrong
-    picks = [runner.choose([1]) for _ in range(policy_mod.PROBE_ROUNDS)]
-    assert picks == [chain3] * (policy_mod.PROBE_ROUNDS - 1) + [None]
-    assert policy_mod.PROBE_ROUNDS < policy_mod.REDECIDE_EVERY
+    picks = [choose(runner, [1]) for _ in range(TUNING.probe_rounds)]
+    assert picks == [chain3] * (TUNING.probe_rounds - 1) + [None]
+    assert TUNING.probe_rounds < TUNING.redecide_every
 
 
 def test_engine_wide_acceptance_remembers_more_than_one_requests_last_rounds():
@@ -559,20 +580,36 @@ def test_engine_wide_acceptance_remembers_more_than_one_requests_last_rounds():
 
 
 def test_a_clear_winner_is_judged_again_less_often():
-    from branchspec.spec import policy as policy_mod
-
+    
     chain3 = SpecConfig.chain(3)
-    runner = SpecPolicyRunner(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
     rates = {"none": 100.0, "chain D=3": 50.0}
     runner.stats.expected_accept = lambda ids: np.ones((len(ids), 1))
     runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
     decisions = []
     decide = runner._decide
     runner._decide = lambda *a, **k: decisions.append(1) or decide(*a, **k)
-    for _ in range(8 * policy_mod.REDECIDE_EVERY):
-        assert runner.choose([1]) is None
+    for _ in range(8 * TUNING.redecide_every):
+        assert choose(runner, [1]) is None
     assert len(decisions) == 2                                   # every 4 periods, not every one
     rates["chain D=3"] = 95.0                                   # close: judged every period again
-    for _ in range(8 * policy_mod.REDECIDE_EVERY):
-        runner.choose([1])
+    for _ in range(8 * TUNING.redecide_every):
+        choose(runner, [1])
     assert len(decisions) >= 2 + 6
+
+
+def test_round_costs_are_kept_per_execution_path(trained_ckpt):
+    """The cost model times the forwards the engine really runs: an eager and a compiled
+    engine over the same model keep separate calibrations."""
+    from branchspec.cache.paged import PagedState
+    from branchspec.checkpoint import load_checkpoint
+    from branchspec.execution.compiled import CompiledExecutor
+    from branchspec.execution.eager import EagerExecutor
+    from branchspec.speculative.policy.costs import calibration_key
+
+    model = load_checkpoint(trained_ckpt, "float32", expert_dispatch="dense")
+    cache = PagedState(model.cfg, max_seqs=1, max_len=256)
+    tokens = grid_tokens(SpecConfig.auto().candidates)
+    eager, compiled = EagerExecutor(model, cache), CompiledExecutor(model, cache)   # compiles nothing yet
+    assert calibration_key(eager, 4, tokens) != calibration_key(compiled, 4, tokens)
+    assert calibration_key(eager, 4, tokens) == calibration_key(EagerExecutor(model, cache), 4, tokens)

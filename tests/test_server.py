@@ -194,11 +194,11 @@ class slowed:
         self.runner, self.seconds = srv.state.engine.runner, seconds
 
     def __enter__(self):
-        self.real = {name: getattr(self.runner, name) for name in ("decode_step", "spec_round")}
+        self.real = {name: getattr(self.runner, name) for name in ("step",)}
         for name, fn in self.real.items():
-            def slow(*args, fn=fn):
+            def slow(*args, fn=fn, **kwargs):
                 time.sleep(self.seconds)
-                return fn(*args)
+                return fn(*args, **kwargs)
             setattr(self.runner, name, slow)
         return self
 
@@ -400,15 +400,15 @@ def test_full_queue_gets_503_with_retry_after(ckpt):
 def test_an_exception_in_one_request_fails_it_alone(server, offline):
     poison = offline.encode("def add")
     runner = server.state.engine.runner
-    real = runner.spec_round
+    real = runner.step
 
-    def spec_round(seqs, spec):
+    def step(seqs, spec, follow):
         if any(s.prompt_ids == poison for s in seqs):
             raise RuntimeError("injected failure")
-        return real(seqs, spec)
+        return real(seqs, spec, follow)
 
     c = client(server, max_retries=0)
-    runner.spec_round = spec_round
+    runner.step = step
     try:
         def bad():
             with pytest.raises(openai.InternalServerError, match="injected failure"):
@@ -418,7 +418,7 @@ def test_an_exception_in_one_request_fails_it_alone(server, offline):
             return "failed"
         got = run_all([lambda p=p: complete(c, p) for p in PROMPTS[:4]] + [bad])
     finally:
-        runner.spec_round = real
+        runner.step = real
     want = offline.generate(PROMPTS[:4], greedy(), spec=TREE)
     assert [g[1] for g in got[:4]] == [w.token_ids for w in want] and got[4] == "failed"
     m = pages_idle(server)
@@ -474,14 +474,14 @@ def test_serve_flags_follow_sglang_and_generate():
         spec("--speculative-num-steps", "9", "--speculative-num-draft-tokens", "4")
 
 
-# -- signals (a real `branchspec serve` process, plain decoding) ----------------------------
-def start_process(ckpt, *extra_args):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+# -- real `branchspec serve` processes ------------------------------------------------------
+def start_process(ckpt, *extra_args, env_extra=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     proc = subprocess.Popen([sys.executable, "-m", "branchspec", "serve", "--model", str(ckpt), "--port", "0",
                              "--dtype", "float64", "--max-model-len", "1024", "--api-key", KEY,
                              "--max-running-requests", "4", "--served-model-name", "tiny", *extra_args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    lines, deadline = [], time.monotonic() + 60
+    lines, deadline = [], time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline().decode()
         lines.append(line)
@@ -497,6 +497,31 @@ def start_process(ckpt, *extra_args):
 def finish(proc, lines, timeout: float = 30.0) -> str:
     out, _ = proc.communicate(timeout=timeout)
     return "".join(lines) + out.decode()
+
+
+def test_serve_with_the_adaptive_policy_over_http(ckpt, offline, tmp_path):
+    """`branchspec serve --speculative-policy auto` starts (it calibrates its round costs
+    first), serves greedy requests equal to plain decoding's, and reports speculative
+    rounds in /metrics."""
+    proc, srv, lines = start_process(ckpt, "--speculative-policy", "auto",
+                                     env_extra={"BRANCHSPEC_CACHE": str(tmp_path / "cache")})
+    try:
+        assert any("adaptive speculation" in line for line in lines), "".join(lines)
+        c = client(srv)
+        got = [complete(c, p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS[:4])]
+        want = offline.generate(PROMPTS[:4], greedy())
+        assert [g[1] for g in got] == [w.token_ids for w in want]
+        assert [g[0] for g in got] == [w.text for w in want]
+        m = metrics(srv)
+        assert m[("branchspec:requests_total", (("status", "length"),))] + \
+            m[("branchspec:requests_total", (("status", "stop"),))] == 4
+        proc.send_signal(signal.SIGTERM)
+        log = finish(proc, lines)
+        assert proc.returncode == 0 and "Traceback" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -8,11 +8,11 @@ import torch
 
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
-from branchspec.engine.sampler import sampling_probs
+from branchspec.sampling import sampling_probs
 from branchspec.llm import LLM
 from branchspec.model.init import random_model
 from branchspec.model.metadata import chain_meta
-from branchspec.spec.drafter import select_tree
+from branchspec.speculative.tree import select_tree
 from conftest import markov_batches
 
 SPECS = [SpecConfig.chain(d) for d in (5, 6, 7, 8)] + [
@@ -61,23 +61,23 @@ def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, 
     """Each round's draft extend also feeds the next root, and the next round grows its tree
     from that instead of a forward of its own: what it reuses equals the root's own forward
     (same keys attended, in another order), and only a batch's first round computes it."""
-    drafter = llm.engine.runner.drafter
-    original = drafter.draft
+    drafter = llm.engine.drafter
+    original = drafter._grow
     rounds = {"reused": 0, "computed": 0}
 
-    def checked(root_ids, prev_hidden, L, committed, spec, root=None):
+    def checked(root_ids, prev_hidden, L, committed, spec, root):
         if root is None:
             rounds["computed"] += 1
         else:
             rounds["reused"] += 1
-            own = drafter.mtp_forward(root_ids[:, None], prev_hidden[:, None], chain_meta(L, 1, (), max_new=1),
-                                      committed)
+            own = drafter.executor.drafter(root_ids[:, None], prev_hidden[:, None], chain_meta(L, 1, (), max_new=1),
+                                           committed)
             torch.testing.assert_close(root.k, own.scratch[0].k, atol=1e-10, rtol=0)
             torch.testing.assert_close(root.hidden, own.hidden, atol=1e-10, rtol=0)
             torch.testing.assert_close(root.logits, drafter.model.mtp_logits(own.hidden[:, 0]), atol=1e-10, rtol=0)
-        return original(root_ids, prev_hidden, L, committed, spec, root=root)
+        return original(root_ids, prev_hidden, L, committed, spec, root)
 
-    monkeypatch.setattr(drafter, "draft", checked)
+    monkeypatch.setattr(drafter, "_grow", checked)
     assert [o.token_ids for o in llm.generate(prompts, params, spec=spec)] == plain
     assert rounds["computed"] == 1 and rounds["reused"] >= 5
 
@@ -185,7 +185,7 @@ def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts,
         drafter, last_hidden = sequential_drafter(model, committed)
         got = engine.cache.snapshot(seq.seq_id, L, mtp_length=L)
         assert_same_state(got, {**ref.snapshot(0, L), **drafter})
-        torch.testing.assert_close(seq.last_hidden, last_hidden, atol=1e-10, rtol=0)
+        torch.testing.assert_close(engine.drafter.state(seq.seq_id).last_hidden, last_hidden, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(3, 2, 6), SpecConfig(2, 4, 7), SpecConfig.chain(5)],
@@ -198,22 +198,20 @@ def test_drafted_tree_matches_a_sequential_drafter(trained_ckpt, prompts, spec):
 
     from branchspec.checkpoint import load_checkpoint
     from branchspec.engine.request import Sequence
-    from branchspec.engine.runner import ModelRunner
     from branchspec.model.metadata import chain_meta
-    from branchspec.spec.drafter import MTPDrafter
-    from helpers import new_cache
+    from helpers import new_cache, new_runner
 
     model = load_checkpoint(trained_ckpt, "float64")
     cache = new_cache(model, max_seqs=1)
     seq = Sequence(seq_id=0, prompt_ids=prompts[1], params=SamplingParams())
     cache.add(0)
     cache.reserve(0, len(seq.prompt_ids))
-    logits = ModelRunner(model, cache, None, prefill_chunk_size=64).prefill([seq], with_mtp=True)[0]
-    root = int(logits.argmax())
+    runner = new_runner(model, cache)
+    root = runner.prefill([seq], follow=True).first_ids[0]
+    seq.num_committed = len(seq.prompt_ids)
     L = torch.tensor([seq.num_committed])
-    with torch.no_grad():
-        tree = MTPDrafter(model).draft(torch.tensor([root]), seq.last_hidden[None], L,
-                                       cache.gather_mtp([0], L), spec)
+    last_hidden = runner.drafter.state(0).last_hidden
+    tree = runner.drafter.propose([0], L, torch.tensor([root]), spec)
     parents, tokens, scores = tree.parents[0].tolist(), tree.tokens[0].tolist(), tree.scores[0]
     assert tokens[0] == root and parents[0] == -1
     for node in range(1, len(parents)):
@@ -222,7 +220,7 @@ def test_drafted_tree_matches_a_sequential_drafter(trained_ckpt, prompts, spec):
             path.append(parents[path[-1]])
         path = [0] + path[::-1]
         ref = copy.deepcopy(cache)
-        hidden, total = seq.last_hidden, 0.0
+        hidden, total = last_hidden, 0.0
         with torch.no_grad():
             for depth, (a, b) in enumerate(zip(path, path[1:])):
                 pos = torch.tensor([seq.num_committed + depth])

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from branchspec.spec.tree import ancestor_matrix, build_verify_plan
+from branchspec.model.metadata import ancestor_matrix, tree_meta
 from helpers import assert_same_state, feed, new_cache, state_diff
 
 PREFIX = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -44,11 +44,11 @@ def _prefilled(model, L):
 
 
 def _verify(model, cache, L, parents, tokens):
-    plan = build_verify_plan(torch.tensor([parents]), torch.tensor([L]), model.cfg.compressed_ratios)
+    meta = tree_meta(torch.tensor([parents]), torch.tensor([L]), model.cfg.compressed_kinds)
     cache.reserve(0, L + len(parents))
     with torch.no_grad():
-        out = model(torch.tensor([tokens]), plan.meta, cache.gather([0], torch.tensor([L])))
-    return plan, out
+        out = model(torch.tensor([tokens]), meta, cache.gather([0], torch.tensor([L])))
+    return meta, out
 
 
 def _path(parents, node):
@@ -71,7 +71,7 @@ def test_tree_verify_equals_sequential_and_commit_preserves_state(tiny64, tree, 
     parents, tokens = tree
     base = _prefilled(tiny64, L)
     cache = copy.deepcopy(base)
-    plan, out = _verify(tiny64, cache, L, parents, tokens)
+    meta, out = _verify(tiny64, cache, L, parents, tokens)
     refs = {}
     for node in range(len(parents)):
         path = _path(parents, node)
@@ -84,12 +84,12 @@ def test_tree_verify_equals_sequential_and_commit_preserves_state(tiny64, tree, 
     node = data.draw(st.integers(0, len(parents) - 1), label="accepted node")
     keep = torch.zeros(1, len(parents), dtype=torch.bool)
     keep[0, _path(parents, node)] = True
-    cache.commit([0], plan.meta, out.scratch, keep)
+    cache.commit([0], meta, out.scratch, keep)
     ref, n = refs[node]
     assert_same_state(cache.snapshot(0, L + n), ref.snapshot(0, L + n))
 
 
-def _unisolated_scratch(plan, scratch):
+def _unisolated_scratch(meta, scratch):
     """Negative control: branches share position-keyed scratch, as with a plain tree mask.
 
     Each compressed-entry slot is keyed by the entry's position only, so sibling branches
@@ -99,12 +99,12 @@ def _unisolated_scratch(plan, scratch):
     for s in scratch:
         s = copy.copy(s)
         if s.entries is not None:
-            for r, p in plan.meta.pools.items():
+            for r, p in meta.pools.items():
                 if s.entries.shape[1] != p.complete_idx.shape[1]:
                     continue
                 entries = s.entries.clone()
                 index_keys = s.index_keys.clone() if s.index_keys is not None else None
-                pos = plan.meta.positions.gather(1, p.complete_idx)[0]        # [K]
+                pos = meta.positions.gather(1, p.complete_idx)[0]        # [K]
                 for k in range(len(pos)):
                     last = int((pos == pos[k]).nonzero().max())
                     entries[0, k] = s.entries[0, last]
@@ -131,13 +131,13 @@ def test_negative_control_unisolated_state_fails(tiny64):
 
     keep = torch.tensor([[True, True, False, False]])
     isolated = copy.deepcopy(base)
-    plan, out = _verify(tiny64, isolated, L, parents, tokens)
-    isolated.commit([0], plan.meta, out.scratch, keep)
+    meta, out = _verify(tiny64, isolated, L, parents, tokens)
+    isolated.commit([0], meta, out.scratch, keep)
     assert_same_state(isolated.snapshot(0, L + 2), expected)
 
     shared = copy.deepcopy(base)
-    plan, out = _verify(tiny64, shared, L, parents, tokens)
-    shared.commit([0], plan.meta, _unisolated_scratch(plan, out.scratch), keep)
+    meta, out = _verify(tiny64, shared, L, parents, tokens)
+    shared.commit([0], meta, _unisolated_scratch(meta, out.scratch), keep)
     diff = state_diff(shared.snapshot(0, L + 2), expected)
     broken = {k for k, v in diff.items() if v > 1e-6}
     assert broken, "the state comparison failed to notice a rejected branch's entry"

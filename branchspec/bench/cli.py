@@ -171,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
     for note in cfg.notes:
         print(note, file=sys.stderr)   # the same line heads report.md
     if cfg.compile and cfg.progress:
-        from branchspec.engine.compiled import report_progress
+        from branchspec.execution.compiled import report_progress
 
         report_progress()
     result = run_study(cfg)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from branchspec.config import AutoPolicy, SpecConfig
-from branchspec.engine.runner import ROUND_PHASES
+from branchspec.config import SpecConfig
+from branchspec.speculative.round import ROUND_PHASES
 from branchspec.llm import GenerateStats, RequestOutput
 from branchspec.bench.grid import shape_label
 
@@ -72,7 +72,7 @@ def measure_cell(workload: str, spec: SpecConfig | None, outputs: list[RequestOu
                  *, wall_seconds: float, max_tokens: int, temperature: float) -> CellResult:
     """Turn one generate() call into a CellResult (speedup and matches_baseline filled later)."""
     steps = stats.num_steps
-    if isinstance(spec, AutoPolicy):
+    if stats.policy == "auto":
         ms = ms_per_round(stats, steps)
         cell = CellResult(
             workload=workload, batch_size=len(outputs), kind="auto", shape="auto", D=None, num_steps=None,

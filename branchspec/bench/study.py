@@ -19,7 +19,7 @@ import torch
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
-from branchspec.config import SamplingParams, SpecConfig, check_device
+from branchspec.config import SamplingParams, SpecConfig, check_device, spec_label
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 
@@ -409,10 +409,9 @@ def report_from_results(out_dir: str | Path) -> tuple[list[CellResult], list, di
 
 
 def _cell_name(spec) -> str:
-    if spec is None:
-        return "baseline"
-    if not isinstance(spec, SpecConfig):
-        return "auto"
+    label = spec_label(spec)
+    if label in ("none", "auto"):
+        return {"none": "baseline", "auto": "auto"}[label]
     return f"D={spec.num_draft_tokens} {shape_label(spec)}"
 
 

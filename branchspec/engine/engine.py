@@ -1,12 +1,17 @@
-"""The engine loop: admit and prefill requests, then run decode or speculative rounds over
-the running batch (continuous batching) until every request finishes."""
+"""The engine loop: admit and prefill requests, then one decode step or speculative round
+over the running batch (continuous batching), until every request finishes.
+
+`step` has nano-vllm's shape: schedule (admit what fits, reserve pages, the policy
+chooses the round's configuration), run (the runner), postprocess (apply what the step
+produced to each request, release the finished ones).
+"""
 
 from __future__ import annotations
 
 import itertools
 import secrets
-import time
-from typing import TYPE_CHECKING, Callable
+from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -15,13 +20,12 @@ from branchspec.cache.pool import OutOfPages
 from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig
 from branchspec.engine.request import FinishReason, Sequence
 from branchspec.engine.runner import ModelRunner
-from branchspec.engine.sampler import logprob_dicts, target_tokens
 from branchspec.engine.scheduler import Scheduler
+from branchspec.execution import make_executor
 from branchspec.model.model import Transformer
-from branchspec.spec.drafter import MTPDrafter
-
-if TYPE_CHECKING:
-    from branchspec.spec.policy import SpecPolicyRunner
+from branchspec.speculative.drafter import MTPDrafter
+from branchspec.speculative.policy import BatchView, SpecPolicy, make_policy
+from branchspec.speculative.round import RoundResult
 
 
 class Engine:
@@ -37,47 +41,48 @@ class Engine:
         p = model.embed.weight
         self.cache = PagedState(self.cfg, max_seqs=self.config.max_batch_size, max_len=self.max_len,
                                 page_size=self.config.page_size, dtype=p.dtype, device=p.device,
-                                num_pages=self.config.num_pages)
-        drafter = MTPDrafter(model) if model.mtp else None
-        self.runner = ModelRunner(model, self.cache, drafter, self.config.prefill_chunk_size,
-                                  compile=self.config.compile)
+                                num_pages=dict(self.config.num_pages))
+        chunk = self.config.prefill_chunk_size
+        self.executor = make_executor(model, self.cache, self.config.compile)
+        self.drafter = MTPDrafter(model, self.cache, self.executor, chunk) if model.mtp else None
+        self.runner = ModelRunner(model, self.cache, self.executor, self.drafter, chunk)
         self.scheduler = Scheduler(self.config.max_batch_size)
         self.decode = decode
         # EOS always ends a request (unless ignore_eos); a tokenizer may add its turn-end token.
         self.stop_token_ids = {self.cfg.eos_token_id, *stop_token_ids}
         self._ids = itertools.count()
-        self.num_steps = 0  # decode steps / speculative rounds run over the batch
+        self.num_steps = 0          # decode steps and speculative rounds run over the batch
+        self.num_spec_rounds = 0    # of them, speculative rounds
+        # Wall time per phase (prefill, draft, plan, verify, ...), summed until reset.
+        self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         # Unseeded requests draw their seeds from here: a fixed engine seed makes a whole run
         # reproducible, None (the default) makes every run differ.
         self._seed_rng = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
-        # Adaptive speculation: one runner per policy, kept for the engine's life so its
+        # One policy per spec value, kept for the engine's life, so an adaptive one's
         # acceptance and cost estimates carry over from call to call.
-        self._policies: dict[AutoPolicy, "SpecPolicyRunner"] = {}
+        self._policies: dict = {}
 
-    def policy_runner(self, policy: AutoPolicy, progress: bool = False) -> "SpecPolicyRunner":
-        """The runner of `policy` on this engine (calibrating round costs the first time)."""
-        from branchspec.spec.policy import SpecPolicyRunner, load_or_calibrate
+    def policy(self, spec: SpecConfig | AutoPolicy | None, progress: bool = False) -> SpecPolicy:
+        """The policy `spec` asks for on this engine, checked against the model first
+        (TypeError or ValueError naming what is wrong). An adaptive policy measures (or
+        loads) its round costs when it is made; `progress` shows that measurement."""
+        try:
+            policy = self._policies.get(spec)
+        except TypeError:     # unhashable: not a spec at all, and make_policy says so
+            policy = None
+        if policy is None:
+            from branchspec.speculative.policy.costs import load_or_calibrate
 
-        runner = self._policies.get(policy)
-        if runner is None:
-            costs = load_or_calibrate(self.model, self.config.max_batch_size, progress=progress)
-            runner = self._policies[policy] = SpecPolicyRunner(policy, costs)
-        return runner
+            def costs(auto: AutoPolicy, show: bool = progress):
+                return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show)
+
+            policy = make_policy(spec, costs)
+            policy.check(self.cfg, self.drafter is not None)
+            policy.prepare(progress)
+            self._policies[spec] = policy
+        return policy
 
     # -- requests ---------------------------------------------------------------------
-    def check_spec(self, spec: SpecConfig | AutoPolicy | None) -> None:
-        """Can this engine's model speculate with `spec`? ValueError naming what is missing."""
-        if spec is None:
-            return
-        if not isinstance(spec, (SpecConfig, AutoPolicy)):
-            raise TypeError(f"spec must be a SpecConfig, SpecConfig.auto(...) or None, got {type(spec).__name__}")
-        if isinstance(spec, AutoPolicy) and not spec.speculative:
-            return
-        if self.runner.drafter is None:
-            raise ValueError("speculative decoding needs a drafter, and this checkpoint has no MTP "
-                             "block (num_mtp_layers=0); decode plainly (spec=None, or --speculative-algorithm NONE)")
-        spec.check_model(self.cfg.vocab_size)
-
     def validate(self, prompt_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
         """Refuse a request that can never run, naming it (`name`) and what is allowed."""
         if not isinstance(params, SamplingParams):
@@ -112,51 +117,60 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
+                       generator=torch.Generator().manual_seed(seed))
+        seq.arrival = seq.seq_id
+        self.scheduler.add(seq)
+        return seq
+
     # -- loop -------------------------------------------------------------------------
     def step(self, spec: SpecConfig | AutoPolicy | None) -> list[Sequence]:
         """Admit what fits, then one decode step or speculative round. Returns the requests
-        that finished in this step (their pages are already back in the pools).
-
-        With an AutoPolicy the round's configuration is chosen here, after admission and
-        before pages are reserved, and the round's outcome is fed back to the policy."""
-        self.check_spec(spec)
-        policy = self.policy_runner(spec) if isinstance(spec, AutoPolicy) else None
-        done = self._admit(spec)
+        that finished in this step (their pages are already back in the pools)."""
+        policy = self.policy(spec)
+        done = self._admit(policy)
         if not self.scheduler.running:
             return done
-        if policy is not None:
-            # Reserve for the largest candidate first: preemption must settle the batch
-            # before the choice, which depends on it.
-            self._reserve_round(spec.max_draft_tokens)
-            running = self.scheduler.running
-            context = sum(s.num_committed for s in running) / len(running)
-            chosen = policy.choose([s.seq_id for s in running], lag=[len(s.drafter_lag) for s in running],
-                                   remaining=[s.num_remaining for s in running], context=context)
-        else:
-            chosen = spec
-            self._reserve_round(1 if spec is None else spec.num_draft_tokens)
+        # Pages for the most a round of this policy commits, before it chooses: preemption
+        # must settle the batch first, since the choice depends on it.
+        self._reserve_round(policy.max_draft_tokens)
         running = list(self.scheduler.running)
+        batch = self._view(running)
+        chosen = policy.choose(batch)
         self.num_steps += 1
-        t0 = time.perf_counter()
-        if chosen is None:
-            result = self.runner.decode_step(running, track_drafter=policy is not None and bool(spec.speculative))
-        else:
-            result = self.runner.spec_round(running, chosen)
-        if policy is not None:
-            # The round's own time: feeding the drafter what plain rounds committed is a
-            # cost of having switched, not of this configuration.
-            seconds = time.perf_counter() - t0 - (self.runner.last_catch_up_seconds if chosen else 0.0)
-            policy.observe(chosen, [s.seq_id for s in running], seconds,
-                           result.path_children, result.path_targets, result.path_len, context=context)
+        result = self.runner.step(running, chosen, follow=policy.uses_drafter)
+        policy.observe(batch, result)
+        self.num_spec_rounds += result.spec is not None
+        return done + self._postprocess(running, result)
+
+    def _view(self, running: list[Sequence]) -> BatchView:
+        lag = self.drafter.lag if self.drafter is not None else (lambda seq_id: 0)
+        return BatchView(seq_ids=[s.seq_id for s in running], lag=[lag(s.seq_id) for s in running],
+                         remaining=[s.num_remaining for s in running],
+                         context=sum(s.num_committed for s in running) / len(running))
+
+    def _postprocess(self, running: list[Sequence], result: RoundResult) -> list[Sequence]:
+        """Apply a step to its requests: committed lengths, speculative statistics, emitted
+        tokens (up to a stop); release those that finished."""
+        for phase, seconds in result.phase_seconds.items():
+            self.phase_seconds[phase] += seconds
+        done = []
         logprobs = result.logprobs or [None] * len(running)
-        for seq, toks, lps in zip(running, result.emitted, logprobs):
+        for seq, n, toks, lps in zip(running, result.path_len, result.emitted, logprobs):
+            seq.num_committed += n
+            if result.spec is not None:
+                seq.stats.record(n, result.spec.num_draft_tokens)
             self._append(seq, toks, lps)
             if seq.finished:
                 self._release(seq)
                 done.append(seq)
         return done
 
-    def _admit(self, spec: SpecConfig | None) -> list[Sequence]:
+    def _admit(self, policy: SpecPolicy) -> list[Sequence]:
         """Admit waiting requests while pages and batch slots last; prefill them together."""
         admitted = []
         while (seq := self.scheduler.next_admission()) is not None:
@@ -178,29 +192,16 @@ class Engine:
             admitted.append(seq)
         if not admitted:
             return []
-        if isinstance(spec, AutoPolicy):
-            # The drafter's prefill runs with the target's, as a fixed configuration's does,
-            # unless the policy expects plain decoding to win at this batch size: then each
-            # prompt joins its request's drafter lag, fed only if a speculative round comes.
-            running = self.scheduler.running
-            context = sum(len(s.token_ids) for s in running) / len(running)
-            defer = None in spec.candidates and bool(spec.speculative) and \
-                not self.policy_runner(spec).expects_speculation(len(running), context)
-            logits = self.runner.prefill(admitted, with_mtp=bool(spec.speculative) and not defer, lag_mtp=defer)
-        else:
-            logits = self.runner.prefill(admitted, with_mtp=spec is not None)
-        # Recomputed requests (preempted) already have their root: only new ones sample.
-        fresh = [(seq, lg) for seq, lg in zip(admitted, logits) if not seq.output_ids]
-        firsts = [int(target_tokens(lg[None, None], *self.runner.sampling([seq]))[0, 0]) for seq, lg in fresh]
-        want = [r for r, (seq, _) in enumerate(fresh) if seq.params.logprobs is not None]
-        first_lps = [None] * len(fresh)
-        if want:
-            dicts = logprob_dicts(torch.stack([fresh[r][1] for r in want]), [firsts[r] for r in want],
-                                  [fresh[r][0].params.logprobs for r in want])
-            for r, d in zip(want, dicts):
-                first_lps[r] = [d]
+        running = self.scheduler.running
+        defer = policy.uses_drafter and policy.defer_drafter(
+            len(running), sum(len(s.token_ids) for s in running) / len(running))
+        out = self.runner.prefill(admitted, follow=policy.uses_drafter, defer=defer)
+        self.phase_seconds["prefill"] += out.seconds
         done = []
-        for (seq, _), first, lps in zip(fresh, firsts, first_lps):
+        for seq, first, lps in zip(admitted, out.first_ids, out.first_logprobs):
+            seq.num_committed = len(seq.token_ids) - (1 if seq.output_ids else 0)
+            if first is None:     # recomputed after preemption: its root is already there
+                continue
             self._append(seq, [first], lps)
             if seq.finished:
                 self._release(seq)
@@ -223,8 +224,7 @@ class Engine:
                 if len(self.scheduler.running) == 1:
                     raise
                 victim = self.scheduler.preempt()
-                self.cache.free(victim.seq_id)
-                victim.forget_state()
+                self._drop_state(victim)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> None:
         """Add emitted tokens (with their logprob dicts, when asked for) up to the first stop."""
@@ -246,9 +246,22 @@ class Engine:
                 seq.finish_reason = FinishReason.LENGTH
                 return
 
+    def _free(self, seq: Sequence) -> None:
+        """Return a request's pages; its drafter state goes with them."""
+        if seq.seq_id in self.cache.tables:
+            self.cache.free(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
+
+    def _drop_state(self, seq: Sequence) -> None:
+        """`_free`, and forget everything derived from the cached state: the request is
+        recomputed from its tokens when it runs again (preemption, a failed step)."""
+        self._free(seq)
+        seq.forget_state()
+
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finished(seq)
-        self.cache.free(seq.seq_id)
+        self._free(seq)
         for policy in self._policies.values():
             policy.forget(seq.seq_id)
         if self.decode is not None and seq.output_text is None:
@@ -263,8 +276,7 @@ class Engine:
             self.scheduler.waiting.remove(seq)
         elif seq in self.scheduler.running:
             self.scheduler.finished(seq)
-        if seq.seq_id in self.cache.tables:
-            self.cache.free(seq.seq_id)
+        self._free(seq)
         for policy in self._policies.values():
             policy.forget(seq.seq_id)
         seq.finish_reason = FinishReason.ABORT
@@ -282,9 +294,7 @@ class Engine:
             self.scheduler.running.remove(seq)
         if seq not in self.scheduler.waiting:
             self.scheduler.waiting.appendleft(seq)
-        if seq.seq_id in self.cache.tables:
-            self.cache.free(seq.seq_id)
-        seq.forget_state()
+        self._drop_state(seq)
 
     def run(self, spec: SpecConfig | AutoPolicy | None, progress: Callable[[int], None] | None = None) -> list[Sequence]:
         finished = []

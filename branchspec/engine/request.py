@@ -8,7 +8,6 @@ from enum import Enum
 import torch
 
 from branchspec.config import SamplingParams
-from branchspec.spec.drafter import DraftRoot
 
 
 class FinishReason(str, Enum):
@@ -25,34 +24,20 @@ class RoundStats:
     num_emitted: int = 0                                   # tokens emitted by verify rounds
     accepted_per_depth: list[int] = field(default_factory=list)   # [depth-1] -> accepted count
 
+    def record(self, path_len: int, num_draft_tokens: int) -> None:
+        """One verify round that accepted path_len nodes (root included) of a budget of D."""
+        self.num_rounds += 1
+        self.num_emitted += path_len
+        hits = self.accepted_per_depth
+        if len(hits) < num_draft_tokens - 1:
+            hits.extend([0] * (num_draft_tokens - 1 - len(hits)))
+        for d in range(path_len - 1):
+            hits[d] += 1
+
     @property
     def accept_length(self) -> float:
         """Mean tokens per verify round, bonus included (1.0 = nothing accepted)."""
         return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
-
-
-class DrafterLag:
-    """Committed positions the drafter has not followed: chunks of (tokens [n], the target's
-    hidden state before each [n, d]); len() is the number of positions, kept as a count so
-    that reading it each round costs nothing however many chunks plain rounds added."""
-
-    def __init__(self) -> None:
-        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.length = 0
-
-    def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.chunks.append((tokens, hidden))
-        self.length += len(tokens)
-
-    def clear(self) -> None:
-        self.chunks.clear()
-        self.length = 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self):
-        return iter(self.chunks)
 
 
 @dataclass
@@ -69,14 +54,6 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     num_committed: int = 0
-    last_hidden: torch.Tensor | None = None                # [d] target hidden at L - 1
-    # Positions the target committed while the drafter did not run (under an adaptive
-    # policy: the prompt, and plain decode steps), fed to it before its next speculative round.
-    drafter_lag: DrafterLag = field(default_factory=DrafterLag)
-    # The drafter's output at the next root, computed by the last round's draft extend
-    # (`spec.drafter.DraftRoot`, one row), with the committed length it belongs to; a round
-    # that finds it current skips the root's own drafter forward.
-    draft_root: tuple[int, DraftRoot] | None = None
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
@@ -90,9 +67,8 @@ class Sequence:
 
     def forget_state(self) -> None:
         """Drop everything derived from cached state (preemption, a failed round): the
-        request is recomputed from its tokens."""
-        self.num_committed, self.last_hidden, self.draft_root = 0, None, None
-        self.drafter_lag.clear()
+        request is recomputed from its tokens. (The drafter forgets its own state.)"""
+        self.num_committed = 0
 
     def __post_init__(self) -> None:
         if self.logprobs is None and self.params.logprobs is not None:

@@ -39,7 +39,7 @@ class ServerState:
 
     def __init__(self, llm, spec: SpecConfig | None, *, model_name: str | None = None, api_key: str | None = None,
                  max_queued_requests: int = 256):
-        llm.engine.check_spec(spec)
+        self.policy = llm.engine.policy(spec, progress=True)   # checked, and an adaptive one calibrated, now
         self.llm, self.spec = llm, spec
         self.engine = llm.engine
         self.model_name = model_name or llm.path.name
@@ -50,7 +50,7 @@ class ServerState:
         self.in_flight = 0          # accepted and unfinished (event loop only)
         self.draining = False
         self.metrics = ServerMetrics({n: p.num_pages for n, p in self.engine.cache.pools.items()},
-                                     spec.num_draft_tokens if spec is not None else 1)
+                                     self.policy.max_draft_tokens)
         # The tokenizer is encoded from the event loop and decoded in the engine thread;
         # its backend keeps a per-call flag, so calls take turns.
         tok = llm.tokenizer

@@ -100,9 +100,7 @@ def run(llm, spec: SpecConfig | None, *, host: str = "127.0.0.1", port: int = 30
     sock = bind(host, port)
     port = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    what = "plain decoding" if spec is None else (
-        f"speculative decoding, steps={spec.num_steps} topk={spec.topk} draft tokens={spec.num_draft_tokens}")
-    print(f"branchspec serve: model {state.model_name!r} ({llm.path}), {what}, up to "
+    print(f"branchspec serve: model {state.model_name!r} ({llm.path}), {state.policy.description}, up to "
           f"{state.max_running} running and {state.max_queued} queued requests", file=sys.stderr, flush=True)
     server = SignalServer(_config(state, shutdown_timeout, log_level), state, shutdown_timeout, url)
     server.run(sockets=[sock])

@@ -184,13 +184,12 @@ class EngineWorker:
         if self._suspects:
             self._retry_alone(self._suspects.pop(0))
         else:
-            before = engine.num_steps
+            before = engine.num_spec_rounds
             try:
                 engine.step(self.spec)
             except Exception as e:
                 self._step_failed(e)
-            if self.spec is not None:
-                self.metrics.spec_rounds.inc(engine.num_steps - before)
+            self.metrics.spec_rounds.inc(engine.num_spec_rounds - before)
         self._emit_all()
 
     def _step_failed(self, exc: Exception) -> None:

@@ -62,7 +62,7 @@ def drafter_kl(model, ids: torch.Tensor) -> torch.Tensor:
     hidden state before it). Gradients reach only the MTP block."""
     B, T = ids.shape
     with torch.no_grad():
-        meta = chain_meta(torch.zeros(B, dtype=torch.long, device=ids.device), T, model.cfg.compressed_ratios)
+        meta = chain_meta(torch.zeros(B, dtype=torch.long, device=ids.device), T, model.cfg.compressed_kinds)
         out = model(ids, meta)
         prev = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
         target_logp = F.log_softmax(out.logits[:, 1:].float(), dim=-1)              # [B, T-1, V]

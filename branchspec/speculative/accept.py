@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from branchspec.engine.sampler import target_tokens
-
 
 @dataclass
 class Acceptance:
@@ -24,14 +22,12 @@ class Acceptance:
     bonus: torch.Tensor        # [B] the target's token after the last path node
 
 
-def accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
-           temperature: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator | None],
+def accept(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
            max_path_len: torch.Tensor | None = None) -> Acceptance:
-    """tokens, parents: [B, D]; logits: [B, D, V] target logits at every node;
-    max_path_len: [B] optional cap on path nodes (a request near its token budget)."""
+    """tokens, parents: [B, D]; target: [B, D] the target's token at every node
+    (`sampling.target_tokens` of the verify logits); max_path_len: [B] optional cap on
+    path nodes (a request near its token budget)."""
     B, D = tokens.shape
-    target = target_tokens(logits, temperature, top_p, generators)  # [B, D]
     bidx = torch.arange(B, device=tokens.device)
     cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
     active = torch.ones(B, dtype=torch.bool, device=tokens.device)

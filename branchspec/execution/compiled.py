@@ -5,7 +5,7 @@ steps. Compiled code is specialised to the shapes it saw, so every step the engi
 must come in a few stable shapes: decode and verify keep their node counts (1 and D), the
 drafter's extend is padded to D + 1 nodes, completing-node slots are sized by their bound
 (`metadata.max_completions`), and committed entries are gathered in whole pages
-(`PagedState.pad_entries`). The sizes that still vary (batch >= 2, entries, the pools'
+(`PagedState.addresses(whole_pages=True)`). The sizes that still vary (batch >= 2, entries, the pools'
 slot counts, the drafter's window slots and node count) are marked dynamic and every other
 size is a constant, so a growing context or a different accept length reuses the same
 graphs: a speculative configuration needs three (the target at D nodes; the drafter at 1
@@ -28,9 +28,12 @@ import torch
 import torch._dynamo
 
 from branchspec.cache.paged import StateAddresses, read_states
+from branchspec.disk_cache import cache_dir
+from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
-from branchspec.model.metadata import chain_meta
-from branchspec.model.model import Transformer
+from branchspec.model.layers import build_stacked
+from branchspec.model.metadata import ForwardMeta, chain_meta, tree_meta
+from branchspec.model.model import ForwardOutput, Transformer
 
 
 class Pools:
@@ -114,9 +117,8 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
 
 
 def _example(args: tuple) -> tuple:
-    """The arguments to trace a step with: fresh metadata (its RoPE memo is written while
-    tracing) and fresh tensor objects over the same memory (identity kept), so that marking
-    their varying sizes leaves the caller's tensors unmarked. A tensor marked at run time
+    """The arguments to trace a step with: fresh tensor objects over the same memory
+    (identity kept), so that marking their varying sizes leaves the caller's tensors unmarked. A tensor marked at run time
     but not when a step was compiled fails that step's guards, and the pools' storage and
     the shape metadata outlive a call."""
     views: dict[int, torch.Tensor] = {}
@@ -144,9 +146,9 @@ def decode_step(model: Transformer, input_ids: torch.Tensor, num_committed: torc
     num_committed [B] tokens. Its metadata is a function of the committed lengths alone,
     so the graph builds it too (about 0.3 ms of eager ops a step at batch 1) and returns
     it for the commit: (ForwardOutput, ForwardMeta)."""
-    meta = chain_meta(num_committed, 1, model.cfg.compressed_ratios, max_new=1, static=True)
+    meta = chain_meta(num_committed, 1, model.cfg.compressed_kinds, max_new=1, static=True)
     out = model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr))
-    return out, dataclasses.replace(meta, rope_cache={})
+    return out, meta
 
 
 def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta,
@@ -186,15 +188,18 @@ def report_progress() -> None:
 
 
 def _source_digest() -> str:
-    """What a compiled step was built from: the model code, the paged state's reads and this file."""
+    """What a compiled step was built from: the model and config code, the paged state's
+    reads and this file."""
     import hashlib
     from pathlib import Path
 
     import branchspec.cache.paged as paged
+    import branchspec.config as config
     import branchspec.model as model_pkg
 
     h = hashlib.sha256()
-    for path in sorted(Path(model_pkg.__file__).parent.glob("*.py")) + [Path(paged.__file__), Path(__file__)]:
+    packages = [Path(model_pkg.__file__).parent, Path(config.__file__).parent]
+    for path in [p for pkg in packages for p in sorted(pkg.glob("*.py"))] + [Path(paged.__file__), Path(__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -232,7 +237,7 @@ class CompiledStep:
         w = self.model.embed.weight
         blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": w.device.type,
                            "step": self.fn.__name__, "shape": shape_class, "source": _source_digest(),
-                           "inductor": self._inductor_options(),
+                           "inductor": self._inductor_options(), "threads": torch.get_num_threads(),
                            "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -260,7 +265,8 @@ class CompiledStep:
             if self.fallback is None:
                 warnings.warn(f"{self.fn.__name__}: inputs its {cls} step was not compiled for; compiling "
                               f"them separately ({str(e)[:300]})", stacklevel=2)
-            out = self._fallback()(self.model, *args)
+            with tracing_settings():   # a plain torch.compile traces at its first call
+                out = self._fallback()(self.model, *args)
         if graphs:   # a replay's outputs live in the graph's memory, which the next replay reuses
             out = _map_batch(out, lambda t: t.clone())
         return _map_batch(out, lambda t: t[:1]) if pad else out
@@ -288,8 +294,6 @@ class CompiledStep:
         """Load the shape class's compiled step from the cache folder, else compile it now
         (then save it). Compiling traces the example with a scratch copy of its metadata."""
 
-        from branchspec.spec.policy import cache_dir
-
         use_cache = os.environ.get("BRANCHSPEC_COMPILE_CACHE", "1") != "0"
         path = cache_dir() / "compiled" / f"{self.fn.__name__}-{cls}-{self.key(cls)}.bin"
         step = None
@@ -306,7 +310,8 @@ class CompiledStep:
             log.info("compiling %s for %s (once per machine; a minute or two on a few cores)", self.fn.__name__, cls)
             t0 = time.perf_counter()
             try:
-                step = torch.compile(self.fn, **self._options()).aot_compile(((self.model, *example), {}))
+                with tracing_settings():
+                    step = torch.compile(self.fn, **self._options()).aot_compile(((self.model, *example), {}))
             except Exception as e:   # noqa: BLE001 - ahead-of-time compiling refused: plain torch.compile
                 warnings.warn(f"{self.fn.__name__} could not be compiled ahead of time ({type(e).__name__}: "
                               f"{str(e)[:200]}); using plain torch.compile", stacklevel=2)
@@ -325,13 +330,18 @@ class CompiledStep:
         return step
 
 
-def compile_steps(model: Transformer) -> tuple[Callable, Callable, Callable]:
-    """(target forward, plain decode step, MTP forward), compiled (see `CompiledStep`)."""
+def tracing_settings():
+    """The compiler settings every step is traced under, scoped to the tracing: two
+    unrelated varying sizes that happen to be equal (the batch and the drafter's node
+    count) must not be assumed equal forever (`use_duck_shape`), or that guard fails
+    later and the step recompiles."""
     import torch.fx.experimental._config as fx_config
 
-    # Two unrelated varying sizes that happen to be equal (the batch and the drafter's node
-    # count) must not be assumed equal forever: that guard fails later and recompiles.
-    fx_config.use_duck_shape = False
+    return fx_config.patch(use_duck_shape=False)
+
+
+def compile_steps(model: Transformer) -> tuple["CompiledStep", "CompiledStep", "CompiledStep"]:
+    """(target forward, plain decode step, MTP forward), compiled (see `CompiledStep`)."""
     return (CompiledStep(model, target_step), CompiledStep(model, decode_step),
             CompiledStep(model, drafter_step, drafter=True))
 
@@ -347,3 +357,59 @@ def compilations() -> int:
 def steps_loaded() -> int:
     """Compiled steps this process loaded from the cache folder instead of compiling."""
     return _LOADED[0]
+
+
+class CompiledExecutor(EagerExecutor):
+    """The fast path: decode, verify and the drafter's round forwards run as compiled
+    steps (`CompiledStep`) in a few stable shapes; prefill chunks, whose lengths vary,
+    run eagerly (`EagerExecutor.prefill`).
+
+    What the fixed shapes need is decided here and nowhere else: completing-node slots
+    sized by their bound (`tree_meta(static=True)`), committed entries read in whole
+    pages, a draft extend always `bound` nodes wide, and the drafter's visibility given per
+    node so that a tree's frontier and a draft extend share one graph. The model must be
+    built with the dense expert dispatch (no shape may follow the routing).
+    """
+
+    name = "compiled"
+    expert_dispatch = "dense"
+
+    def __init__(self, model: Transformer, cache, steps: tuple["CompiledStep", ...] | None = None):
+        if model.cfg.num_experts and model.expert_dispatch != self.expert_dispatch:
+            raise ValueError(f"a compiled engine needs a model built with expert_dispatch="
+                             f"{self.expert_dispatch!r} (got {model.expert_dispatch!r}): no shape of a compiled "
+                             f"step may follow the routing; LLM(compile=True) builds it so")
+        super().__init__(model, cache)
+        if steps is None:
+            build_stacked(model)     # the compiled steps read the stacked projections built now
+            steps = compile_steps(model)
+        self.steps = steps
+        self._target, self._decode, self._drafter = steps
+
+    def over(self, cache) -> "CompiledExecutor":
+        return CompiledExecutor(self.model, cache, self.steps)
+
+    def target(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
+               lengths: torch.Tensor) -> ForwardOutput:
+        # The step reads the committed state from the pools inside its graph.
+        return self._target(input_ids, meta, Pools(self.cache.storage),
+                            self.cache.addresses(seq_ids, lengths, whole_pages=True))
+
+    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
+               ) -> tuple[ForwardOutput, ForwardMeta]:
+        # The step builds its metadata in its graph, and returns it for the commit.
+        return self._decode(roots, lengths, Pools(self.cache.storage),
+                            self.cache.addresses(seq_ids, lengths, whole_pages=True))
+
+    def verify_meta(self, parents: torch.Tensor, lengths: torch.Tensor) -> ForwardMeta:
+        return tree_meta(parents, lengths, self.kinds, static=True)
+
+    def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
+                state: LayerState) -> ForwardOutput:
+        N = input_ids.shape[1]
+        if N > 1 and state.raw_valid.shape[1] == 1:   # per-node visibility, as a frontier step has
+            state = dataclasses.replace(state, raw_valid=state.raw_valid.expand(-1, N, -1))
+        return self._drafter(input_ids, prev_hidden, meta, state)
+
+    def extend_width(self, needed: int, bound: int) -> int:
+        return bound     # every accept length runs the same graph; padding is masked by meta.valid

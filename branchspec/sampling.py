@@ -1,8 +1,27 @@
-"""Turning target logits into tokens: greedy, or temperature + top-p sampling."""
+"""Turning target logits into tokens (greedy, or temperature + top-p sampling) and into
+vLLM's logprob dicts. Every token the engine emits is drawn here: the first one from the
+prefill's logits, the rest from a decode step's or a verify pass's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """How each request of a batch turns logits into tokens."""
+
+    temperature: torch.Tensor                 # [B] float64, 0 = greedy
+    top_p: torch.Tensor                       # [B] float64
+    generators: list[torch.Generator | None]  # [B] each request's own draws
+    num_logprobs: list[int | None]            # [B] top-k logprobs asked for (None: none)
+
+    def rows(self, index: list[int]) -> "SamplingBatch":
+        """The same for the requests at `index`."""
+        return SamplingBatch(self.temperature[index], self.top_p[index], [self.generators[i] for i in index],
+                             [self.num_logprobs[i] for i in index])
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -21,15 +40,15 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return probs / probs.sum(-1, keepdim=True)
 
 
-def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  generators: list[torch.Generator | None]) -> torch.Tensor:
+def target_tokens(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
     """The target's token at every node: [B, N, V] -> [B, N].
 
     Rows with temperature 0 take the argmax; the others draw one token per node from their
     own generator (a per-request seed makes a request's output independent of its batch).
     """
     out = logits.argmax(dim=-1)
-    temperature, top_p = temperature.to(logits.device), top_p.to(logits.device)
+    generators = sampling.generators
+    temperature, top_p = sampling.temperature.to(logits.device), sampling.top_p.to(logits.device)
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
         probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled])   # [S, N, V]
@@ -68,4 +87,28 @@ def logprob_dicts(logits: torch.Tensor, chosen: list[int], num_top: list[int]) -
         d = {t: chosen_lp[r]}
         d.update(zip(top_ids[r][:k], top_lp[r][:k]))
         out.append(d)
+    return out
+
+
+def emitted_logprobs(logits: torch.Tensor, nodes: torch.Tensor, emitted: list[list[int]],
+                     num_logprobs: list[int | None]) -> list[list[dict[int, float]] | None] | None:
+    """Raw logprobs of the emitted tokens of the requests that asked for them.
+
+    logits: [B, N, V] target logits at every node; nodes: [B, >= max emitted] the node whose
+    output distribution produced each emitted token (emitted token i of a speculative round
+    comes from accepted-path node i: an accepted child from its parent, the bonus token from
+    the last path node). None, with no work done, when no request asked.
+    """
+    want = [b for b, k in enumerate(num_logprobs) if k is not None and emitted[b]]
+    if not want:
+        return None
+    rows_b = torch.tensor([b for b in want for _ in emitted[b]], dtype=torch.long, device=logits.device)
+    rows_n = torch.cat([nodes[b, :len(emitted[b])] for b in want]).to(logits.device)
+    dicts = logprob_dicts(logits[rows_b, rows_n], [t for b in want for t in emitted[b]],
+                          [num_logprobs[b] for b in want for _ in emitted[b]])
+    out: list[list[dict[int, float]] | None] = [None] * len(emitted)
+    start = 0
+    for b in want:
+        out[b] = dicts[start:start + len(emitted[b])]
+        start += len(emitted[b])
     return out

@@ -1,0 +1,63 @@
+"""How the model's forwards run: eagerly (the reference) or compiled (the fast path),
+chosen once when an engine is built. Everything above this package calls the forwards
+through the `Executor` interface and never asks which one it has."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from branchspec.cache.paged import PagedState
+from branchspec.model.attention import LayerState
+from branchspec.model.metadata import ForwardMeta
+from branchspec.model.model import ForwardOutput, Transformer
+
+
+class Executor(Protocol):
+    """The forwards an engine runs, over one paged state (see `EagerExecutor` for each)."""
+
+    name: str              # "eager" or "compiled": what a measured cost belongs to
+    expert_dispatch: str   # the MoE dispatch the model must be built with
+    model: Transformer
+    cache: PagedState
+
+    def over(self, cache: PagedState) -> "Executor": ...
+
+    def prefill(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
+                lengths: torch.Tensor) -> ForwardOutput: ...
+
+    def target(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
+               lengths: torch.Tensor) -> ForwardOutput: ...
+
+    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
+               ) -> tuple[ForwardOutput, ForwardMeta]: ...
+
+    def verify_meta(self, parents: torch.Tensor, lengths: torch.Tensor) -> ForwardMeta: ...
+
+    def drafter_prefill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
+                        state: LayerState) -> ForwardOutput: ...
+
+    def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
+                state: LayerState) -> ForwardOutput: ...
+
+    def extend_width(self, needed: int, bound: int) -> int: ...
+
+
+def executor_class(compile: bool) -> type:
+    """The executor an engine with this `compile` setting runs (imports the compiler only
+    when asked for)."""
+    if compile:
+        from branchspec.execution.compiled import CompiledExecutor
+        return CompiledExecutor
+    from branchspec.execution.eager import EagerExecutor
+    return EagerExecutor
+
+
+def expert_dispatch(compile: bool) -> str:
+    """The MoE dispatch a model for this execution must be built with."""
+    return executor_class(compile).expert_dispatch
+
+
+def make_executor(model: Transformer, cache: PagedState, compile: bool) -> Executor:
+    return executor_class(compile)(model, cache)

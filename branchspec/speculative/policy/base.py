@@ -1,0 +1,59 @@
+"""What a speculation policy is: the `SpecPolicy` protocol the engine steps with."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+from branchspec.config import ModelConfig, SpecConfig
+from branchspec.speculative.round import RoundResult
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a policy sees of the running batch before a round."""
+
+    seq_ids: list[int]
+    lag: list[int]          # per request, committed positions its drafter has not followed
+    remaining: list[int]    # per request, tokens it may still emit
+    context: float          # mean committed length (forwards over a longer context cost more)
+
+
+class SpecPolicy(Protocol):
+    """Chooses each round's configuration (a SpecConfig, or None for a plain decode step)
+    and learns from its outcome. Made once per spec value by `make_policy`."""
+
+    name: str                      # "fixed" or "auto"
+    description: str               # for people: what it runs
+    configurations: tuple[SpecConfig | None, ...]   # every configuration it may run
+    max_draft_tokens: int          # the most nodes one of its rounds commits (1: plain only)
+    uses_drafter: bool             # may run speculative rounds (the drafter must follow)
+    counts: Counter                # rounds run per configuration label
+    decide_seconds: float          # time spent choosing and learning
+
+    def check(self, cfg: ModelConfig, has_drafter: bool) -> None:
+        """ValueError naming what the model lacks to run this policy."""
+
+    def prepare(self, progress: bool = False) -> None:
+        """Measure now what the policy would otherwise measure on first use."""
+
+    def defer_drafter(self, batch_size: int, context: float) -> bool:
+        """At admission: leave the prompts' drafter prefill as lag (fed only if a
+        speculative round comes) rather than running it with the target's."""
+
+    def choose(self, batch: BatchView) -> SpecConfig | None: ...
+
+    def observe(self, batch: BatchView, result: RoundResult) -> None: ...
+
+    def forget(self, seq_id: int) -> None:
+        """The request finished or was preempted."""
+
+
+def check_speculation(specs: tuple[SpecConfig, ...], cfg: ModelConfig, has_drafter: bool) -> None:
+    """Can a model speculate with these configurations? ValueError naming what is missing."""
+    if not has_drafter:
+        raise ValueError("speculative decoding needs a drafter, and this checkpoint has no MTP "
+                         "block (num_mtp_layers=0); decode plainly (spec=None, or --speculative-algorithm NONE)")
+    for spec in specs:
+        spec.check_model(cfg.vocab_size)

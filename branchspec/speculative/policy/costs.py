@@ -1,0 +1,372 @@
+"""Round costs: how long each candidate configuration's round takes at a batch size.
+
+The forwards a round runs are timed once per machine, through the engine's own execution
+path (eager or compiled), at the node counts the policy's candidates use, and cached on
+disk; a candidate's round time is composed from them, plus an overhead learned online
+from its measured rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from branchspec.config import SpecConfig, spec_label
+from branchspec.disk_cache import cache_dir
+from branchspec.speculative.policy.tuning import TUNING, Tuning
+
+# The forwards a round runs, each timed on its own grid of new tokens per request:
+# "target" the plain decode step (1 token) and the verify pass (D nodes); "drafter" a
+# tree's frontier step (topk nodes) and the draft extend (D + 1 nodes); "catch_up" the
+# drafter over positions it did not follow (a deferred prompt, plain rounds), in chunks.
+FORWARDS = ("target", "drafter", "catch_up")
+CATCH_UP_TOKENS = (1, 16, 64)
+# Committed tokens the grids are measured over: a short context and a long one.
+CONTEXTS = (128, 512)
+
+
+def grid_tokens(candidates: tuple[SpecConfig | None, ...]) -> dict[str, tuple[int, ...]]:
+    """The node counts each forward runs at under these candidates: what gets timed."""
+    specs = [c for c in candidates if c is not None]
+    return {"target": tuple(sorted({1} | {c.num_draft_tokens for c in specs})),
+            "drafter": tuple(sorted({1} | {c.topk for c in specs if c.num_steps > 1}
+                                    | {c.num_draft_tokens + 1 for c in specs})),
+            "catch_up": CATCH_UP_TOKENS}
+
+
+def _label(spec: SpecConfig | None) -> str:
+    return spec_label(spec)
+
+
+class CostModel:
+    """Forward times on a (batch, tokens per request, context) grid per forward, and the
+    round time of each candidate composed from them.
+
+    grids[f] = (tokens, seconds): seconds[i, j, k] of one forward f at batch batches[i]
+    with tokens[j] new tokens per request over contexts[k] committed ones. Off-grid points
+    interpolate linearly in log(batch), in tokens and in context (beyond the longest
+    context: linearly, on the slope between the last two; beyond the most tokens: in
+    proportion). The context matters: attention reads the window and every compressed
+    entry, so a step over 500 committed tokens costs about a third more than one over 128
+    at batch 64 on the default model.
+
+    Per (candidate label, batch bucket) it also keeps the last `overhead_history` measured
+    overheads (measured - predicted round time: plan, accept, commit, sampling, Python),
+    and adds their median: the per-round cost the grid does not see, learned as rounds
+    run, robust to a round slowed by something else.
+    """
+
+    def __init__(self, batches: tuple[int, ...], grids: dict[str, tuple[tuple[int, ...], np.ndarray]],
+                 contexts: tuple[int, ...] = CONTEXTS, tuning: Tuning = TUNING):
+        self.batches, self.contexts, self.tuning = tuple(batches), tuple(contexts), tuning
+        if list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"contexts must be increasing, got {self.contexts}")
+        if set(grids) != set(FORWARDS):
+            raise ValueError(f"cost grids must be given for {FORWARDS}, got {sorted(grids)}")
+        self.grids: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
+        for name, (tokens, seconds) in grids.items():
+            tokens, seconds = tuple(int(t) for t in tokens), np.asarray(seconds, float)
+            shape = (len(self.batches), len(tokens), len(self.contexts))
+            if seconds.shape != shape or list(tokens) != sorted(set(tokens)):
+                raise ValueError(f"the {name} grid must have increasing tokens and shape {shape}, got "
+                                 f"{tokens} and {seconds.shape}")
+            self.grids[name] = (tokens, seconds)
+        self.overheads: dict[tuple[str, int], deque[float]] = {}
+        self._predicted: dict[tuple[SpecConfig | None, int, int], float] = {}
+        self._rows: dict[tuple[str, int, int], np.ndarray] = {}
+        self._settled: dict[tuple[str, int], float] = {}
+        self._least_seen: dict[tuple[bool, int], float] = {}
+        self._warm: set[tuple[str, int]] = set()
+
+    @classmethod
+    def flat(cls, target: float, drafter: float, batches: tuple[int, ...] = (1, 64),
+             candidates: tuple[SpecConfig | None, ...] = (), tuning: Tuning = TUNING) -> "CostModel":
+        """Every forward of the target costs `target` seconds and every drafter forward
+        `drafter`, whatever the batch, tokens and context (for reasoning about decisions)."""
+        grids = {}
+        for name, tokens in grid_tokens(candidates).items():
+            grids[name] = (tokens, np.full((len(batches), len(tokens), 1), target if name == "target" else drafter))
+        return cls(batches, grids, contexts=(CONTEXTS[0],), tuning=tuning)
+
+    def _context(self, context: float | None) -> int:
+        """The context a prediction is kept under: rounded to `context_step` (None: the
+        shortest measured)."""
+        if context is None:
+            return self.contexts[0]
+        step = self.tuning.context_step
+        return max(1, int(round(context / step))) * step
+
+    def _over_context(self, grid: np.ndarray, context: int) -> np.ndarray:
+        """[batches, tokens] forward seconds over `context` committed tokens."""
+        c = self.contexts
+        if len(c) == 1 or context <= c[0]:
+            return grid[:, :, 0]
+        k = min(int(np.searchsorted(c, context)), len(c) - 1)
+        lo, hi = grid[:, :, k - 1], grid[:, :, k]
+        t = (context - c[k - 1]) / (c[k] - c[k - 1])
+        if t <= 1.0:
+            return lo + t * (hi - lo)
+        return hi + (t - 1.0) * np.maximum(hi - lo, 0.0)     # beyond: never cheaper than measured
+
+    def _row(self, forward: str, batch: int, context: int) -> np.ndarray:
+        """[tokens] seconds of `forward` at `batch` over `context`, interpolated once per
+        (forward, batch, context)."""
+        key = (forward, batch, context)
+        if key not in self._rows:
+            lb, x = np.log2(np.asarray(self.batches, float)), math.log2(batch)
+            scale = batch / self.batches[-1] if batch > self.batches[-1] else 1.0   # beyond the grid
+            grid = self.grids[forward][1]
+            self._rows[key] = scale * np.array([np.interp(x, lb, col) for col in self._over_context(grid, context).T])
+        return self._rows[key]
+
+    def _at(self, forward: str, batch: int, tokens: int, context: int) -> float:
+        grid_tokens_ = self.grids[forward][0]
+        t = float(np.interp(min(tokens, grid_tokens_[-1]), grid_tokens_, self._row(forward, batch, context)))
+        if tokens > grid_tokens_[-1]:
+            t *= tokens / grid_tokens_[-1]
+        return t
+
+    def predict(self, spec: SpecConfig | None, batch: int, context: float | None = None) -> float:
+        """Seconds of one round of `spec` over `batch` requests with `context` committed
+        tokens on average, without its measured overhead."""
+        key = (spec, batch, self._context(context))
+        if key not in self._predicted:
+            self._predicted[key] = self._compose(spec, batch, key[2])
+        return self._predicted[key]
+
+    def _compose(self, spec: SpecConfig | None, batch: int, context: int) -> float:
+        if spec is None:
+            return self._at("target", batch, 1, context)
+        # The root's drafter slot comes with the previous round's draft extend, which runs
+        # D + 1 nodes (the path and the next root): one drafter forward per later step.
+        draft = (spec.num_steps - 1) * self._at("drafter", batch, spec.topk, context)
+        verify = self._at("target", batch, spec.num_draft_tokens, context)
+        extend = self._at("drafter", batch, spec.num_draft_tokens + 1, context)
+        return draft + verify + extend
+
+    def catch_up_seconds(self, batch: int, lag: int, context: float | None = None) -> float:
+        """One drafter pass over `lag` positions per request: the price of speculating
+        after rounds (or a prefill) the drafter did not follow."""
+        return self._at("catch_up", batch, lag, self._context(context)) if lag > 0 else 0.0
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, (batch - 1).bit_length())
+
+    def round_seconds(self, spec: SpecConfig | None, batch: int, context: float | None = None) -> float:
+        """Predicted forward seconds plus the round's overhead beyond them, as measured for
+        this candidate at this batch bucket. A candidate's first round is not counted (it
+        pays one-time costs: allocation, metadata for a new shape), and until it has one
+        counted round it is given the least overhead measured for its kind (speculative or
+        plain), so it gets tried rather than inheriting another shape's overhead."""
+        return float(self.round_seconds_of((spec,), batch, context)[0])
+
+    def round_seconds_of(self, specs: tuple[SpecConfig | None, ...], batch: int,
+                         context: float | None = None) -> np.ndarray:
+        """`round_seconds` of several candidates: [len(specs)]."""
+        bucket = self.bucket(batch)
+        least: dict[bool, float] = {}
+        out = np.empty(len(specs))
+        for i, spec in enumerate(specs):
+            extra = self.overhead((_label(spec), bucket))
+            if extra is None:
+                speculative = spec is not None
+                if speculative not in least:
+                    least[speculative] = self._least(speculative, bucket)
+                extra = least[speculative]
+            out[i] = self.predict(spec, batch, context) + extra
+        return out
+
+    def overhead(self, key: tuple[str, int]) -> float | None:
+        """Median of the counted overheads of (label, bucket), for plain decoding a lower
+        quantile; None before any. Erring high on plain decoding's cost, as a few slow
+        rounds after a large prefill make it, would pick speculation where it loses."""
+        if key not in self._settled:
+            seen = self.overheads.get(key)
+            if not seen:
+                return None
+            if key[0] == "none":
+                self._settled[key] = sorted(seen)[int((len(seen) - 1) * self.tuning.plain_overhead_quantile)]
+            else:
+                self._settled[key] = statistics.median(seen)
+        return self._settled[key]
+
+    def _least(self, speculative: bool, bucket: int) -> float:
+        if (speculative, bucket) not in self._least_seen:
+            seen = [v for key in self.overheads
+                    if key[1] == bucket and (key[0] != "none") == speculative
+                    and (v := self.overhead(key)) is not None]
+            self._least_seen[(speculative, bucket)] = min(seen, default=0.0)
+        return self._least_seen[(speculative, bucket)]
+
+    def observe(self, spec: SpecConfig | None, batch: int, seconds: float, context: float | None = None) -> None:
+        """A measured round over `context` committed tokens on average: its overhead beyond
+        the predicted forwards joins its history."""
+        key = (_label(spec), self.bucket(batch))
+        if key not in self._warm:          # its first round: one-time costs, not counted
+            self._warm.add(key)
+            return
+        predicted = self.predict(spec, batch, context)
+        history = self.overheads.setdefault(key, deque(maxlen=self.tuning.overhead_history))
+        t = self.tuning
+        history.append(min(max(seconds - predicted, t.overhead_low * predicted), t.overhead_high * predicted))
+        self._settled.pop(key, None)
+        self._least_seen.pop((spec is not None, key[1]), None)
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "contexts": list(self.contexts),
+                "grids": {name: {"tokens": list(tokens), "seconds": seconds.tolist()}
+                          for name, (tokens, seconds) in self.grids.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict, tuning: Tuning = TUNING) -> "CostModel":
+        grids = {name: (tuple(g["tokens"]), np.array(g["seconds"])) for name, g in d["grids"].items()}
+        return cls(tuple(d["batches"]), grids, tuple(d["contexts"]), tuning)
+
+
+# -- measuring ---------------------------------------------------------------------------
+
+def calibration_batches(max_batch_size: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 4
+    out.append(max_batch_size)
+    return tuple(out)
+
+
+def calibration_contexts(max_position: int, most_tokens: int) -> tuple[int, ...]:
+    """The CONTEXTS a model of `max_position` positions can be measured over (each leaves
+    room for the largest token count on top)."""
+    room = max_position - most_tokens - 1
+    return tuple(sorted({max(1, min(c, room)) for c in CONTEXTS}))
+
+
+def _median_seconds(run, repeats: int) -> float:
+    """Median wall time of `run()` over `repeats` calls after one untimed warm-up call."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        run()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+@torch.no_grad()
+def calibrate(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]], repeats: int = 3,
+              progress: bool = False) -> CostModel:
+    """Time each forward a round runs, through `executor` (the engine's own execution
+    path) over a private paged state (the engine's pages are untouched), at each batch of
+    `calibration_batches`, each context of `calibration_contexts` and each node count of
+    `tokens` (`grid_tokens`). At each batch size the context grows by prefill from one
+    measured length to the next."""
+    from branchspec.cache.paged import PagedState
+    from branchspec.model.metadata import chain_meta
+
+    model = executor.model
+    cfg = model.cfg
+    p = model.embed.weight
+    batches = calibration_batches(max_batch_size)
+    most = max(max(t) for t in tokens.values())
+    contexts = calibration_contexts(cfg.max_position, most)
+    grids = {name: np.zeros((len(batches), len(t), len(contexts))) for name, t in tokens.items()}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(g.size for g in grids.values()), desc=f"calibrating round costs ({executor.name})",
+                   unit="shape", leave=False)
+    gen = torch.Generator().manual_seed(0)
+    for i, B in enumerate(batches):
+        cache = PagedState(cfg, max_seqs=B, max_len=contexts[-1] + most + 1, page_size=16, dtype=p.dtype,
+                           device=p.device)
+        ex = executor.over(cache)
+        ids = list(range(B))
+        for sid in ids:
+            cache.add(sid)
+            cache.reserve(sid, contexts[-1] + most)
+        L = torch.zeros(B, dtype=torch.long, device=p.device)
+        for k, context in enumerate(contexts):
+            grow = context - int(L[0])
+            prompt = torch.randint(3, cfg.vocab_size, (B, grow), generator=gen).to(p.device)
+            meta = chain_meta(L, grow, cfg.compressed_kinds)
+            out = ex.prefill(prompt, meta, ids, L)
+            cache.commit(ids, meta, out.scratch, meta.valid)
+            L = L + grow
+            hidden = out.hidden[:, -1:]
+            for name, counts in tokens.items():
+                for j, n in enumerate(counts):
+                    new = torch.randint(3, cfg.vocab_size, (B, n), generator=gen).to(p.device)
+                    prev = hidden.expand(B, n, hidden.shape[-1])
+                    grids[name][i, j, k] = _median_seconds(_forward(ex, name, new, prev, ids, L), repeats)
+                    if bar is not None:
+                        bar.update(1)
+    if bar is not None:
+        bar.close()
+    return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
+
+
+def _forward(ex, name: str, new: torch.Tensor, prev: torch.Tensor, ids: list[int], L: torch.Tensor):
+    """A call of forward `name` as a round runs it, over new tokens [B, n]: the plain decode
+    step, or a verify pass over a chain-shaped tree (its plan, a separate phase, built
+    outside the timing); a drafter step; a catch-up chunk."""
+    from branchspec.model.metadata import chain_meta
+
+    B, n = new.shape
+    if name == "target":
+        if n == 1:
+            return lambda: ex.decode(new, ids, L)
+        parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
+        meta = ex.verify_meta(parents, L)
+        return lambda: ex.target(new, meta, ids, L)
+    step = ex.drafter if name == "drafter" else ex.drafter_prefill
+    return lambda: step(new, prev, chain_meta(L, n, ()), ex.cache.gather_mtp(ids, L))
+
+
+def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]]) -> str:
+    """What a calibration depends on: the model's shape and dtype, the execution path, the
+    grids, the machine and its thread count, and the torch build."""
+    model = executor.model
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
+                       "device": str(model.embed.weight.device), "execution": executor.name,
+                       "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
+                       "threads": torch.get_num_threads(), "cpu": cpu, "torch": torch.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_or_calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...],
+                      progress: bool = False) -> CostModel:
+    """The cached calibration for this model, execution path and machine, else a fresh one
+    (then cached; an unwritable cache folder only costs the next start another one)."""
+    tokens = grid_tokens(candidates)
+    path = cache_dir() / f"round-costs-{calibration_key(executor, max_batch_size, tokens)}.json"
+    try:
+        return CostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = calibrate(executor, max_batch_size, tokens, progress=progress)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(costs.to_dict()))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return costs

@@ -1,0 +1,139 @@
+"""One speculative round over a batch, top to bottom.
+
+    draft  -> the drafter grows one tree per request from its root        (drafter.propose)
+    plan   -> the trees become attention metadata: positions, ancestors,
+              and where each completing node's pooled rows come from      (metadata.tree_meta)
+    verify -> one target forward over every node of every tree; all it
+              produces stays in scratch, nothing is written               (executor.target)
+    accept -> walk each tree along the target's own tokens                (accept.accept)
+    commit -> copy only the accepted path's scratch into the pools        (PagedState.commit)
+    extend -> the drafter follows the accepted path, and computes its
+              output at the next root for the next round                  (drafter.extend)
+
+Before drafting, the drafter catches up on positions committed without it (plain rounds
+of an adaptive policy, a deferred prompt); that time is charged to `draft_extend` and
+reported apart, since it is a cost of having switched, not of this round's shape.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from branchspec.cache.paged import PagedState
+from branchspec.config import SpecConfig
+from branchspec.execution import Executor
+from branchspec.execution.timing import PhaseClock
+from branchspec.sampling import SamplingBatch, emitted_logprobs, target_tokens
+from branchspec.speculative.accept import accept
+from branchspec.speculative.drafter import Drafter
+
+ROUND_PHASES = ("draft", "plan", "verify", "accept", "commit", "draft_extend")
+
+
+@dataclass(frozen=True)
+class RoundBatch:
+    """The running requests of one step, as tensors (the engine's runner builds it).
+
+    Terms: request b has committed lengths[b] = L tokens (their target state is in the
+    pools); its *root* is the last emitted token, at position L, not yet fed through the
+    target."""
+
+    seq_ids: list[int]
+    lengths: torch.Tensor        # [B] committed L
+    roots: torch.Tensor          # [B] root token ids
+    budget: torch.Tensor         # [B] tokens each request may still emit (>= 1)
+    sampling: SamplingBatch
+
+    @property
+    def size(self) -> int:
+        return len(self.seq_ids)
+
+
+@dataclass
+class RoundResult:
+    """What one step (a plain decode step or a speculative round) produced."""
+
+    spec: SpecConfig | None      # the configuration that ran (None: a plain decode step)
+    emitted: list[list[int]]     # per request, the tokens this step adds to its output
+    path_len: list[int]          # per request, accepted nodes incl. the root (= tokens committed)
+    # per request, one {token_id: logprob} per emitted token, or None where not asked for
+    logprobs: list[list[dict[int, float]] | None] | None = None
+    # What an adaptive policy learns from, along each accepted path (root first, padded
+    # past its end): the drafter's top-k proposals after each path node [B, D, k] (-1: not
+    # expanded) and the target's token there [B, D] (the next path token, then the bonus;
+    # -1 past the end).
+    path_children: torch.Tensor | None = None
+    path_targets: torch.Tensor | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0             # the step's own wall time, catch-up excluded
+    catch_up_seconds: float = 0.0    # feeding the drafter what it had not followed
+
+
+class SpeculativeRound:
+    """Runs speculative rounds with one drafter, one execution path and one paged state."""
+
+    def __init__(self, executor: Executor, cache: PagedState, drafter: Drafter):
+        self.executor, self.cache, self.drafter = executor, cache, drafter
+        self.sync = cache.device.type == "cuda"
+
+    @torch.no_grad()
+    def run(self, batch: RoundBatch, spec: SpecConfig) -> RoundResult:
+        t0 = time.perf_counter()
+        clock = PhaseClock(self.sync)
+        ids, L = batch.seq_ids, batch.lengths
+
+        self.drafter.catch_up(ids, L)
+        clock.lap("draft_extend")
+        catch_up = clock.seconds["draft_extend"]
+
+        tree = self.drafter.propose(ids, L, batch.roots, spec)              # tokens, parents: [B, D]
+        clock.lap("draft")
+
+        meta = self.executor.verify_meta(tree.parents, L)
+        clock.lap("plan")
+
+        out = self.executor.target(tree.tokens, meta, ids, L)                # logits [B, D, V]
+        clock.lap("verify")
+
+        # A round never commits past a request's token budget (its pages were sized for it).
+        target = target_tokens(out.logits, batch.sampling)                  # [B, D]
+        acc = accept(tree.tokens, tree.parents, target, max_path_len=batch.budget + 1)
+        path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]
+        path_len = acc.path_len.tolist()
+        budget = batch.budget.tolist()
+        emitted = [(toks[1:n] + [b])[:left] for toks, n, b, left
+                   in zip(path_tokens.tolist(), path_len, acc.bonus.tolist(), budget)]
+        # Emitted token i comes from path node i's distribution (as plain decoding's would).
+        logprobs = emitted_logprobs(out.logits, acc.path, emitted, batch.sampling.num_logprobs)
+        clock.lap("accept")
+
+        self.cache.commit(ids, meta, out.scratch, acc.keep)
+        clock.lap("commit")
+
+        rows = torch.arange(batch.size, device=L.device)[:, None]
+        self.drafter.extend(ids, L, path_tokens, out.hidden[rows, acc.path], acc.path_len, acc.bonus,
+                            spec.num_draft_tokens)
+        clock.lap("draft_extend")
+
+        children, targets = self._path_observations(tree.children, acc, path_tokens)
+        return RoundResult(spec=spec, emitted=emitted, path_len=path_len, logprobs=logprobs,
+                           path_children=children, path_targets=targets, phase_seconds=clock.seconds,
+                           seconds=time.perf_counter() - t0 - catch_up, catch_up_seconds=catch_up)
+
+    @staticmethod
+    def _path_observations(children: torch.Tensor | None, acc, path_tokens: torch.Tensor
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The drafter's proposals after each accepted-path node [B, D, k], and the
+        target's token there [B, D] (see `RoundResult`)."""
+        if children is None:
+            return None, None
+        B, D, k = children.shape
+        path_children = children.gather(1, acc.path[..., None].expand(B, D, k))
+        ahead = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)          # next path token
+        steps = torch.arange(D, device=path_tokens.device)[None]
+        path_targets = torch.where(steps < (acc.path_len - 1)[:, None], ahead, -1)
+        path_targets[torch.arange(B, device=path_tokens.device), acc.path_len - 1] = acc.bonus
+        return path_children, path_targets
