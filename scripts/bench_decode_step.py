@@ -26,6 +26,8 @@ from branchspec.model.init import random_model
 from branchspec.model.layers import Experts
 from branchspec.model.metadata import chain_meta
 
+PRESETS = {"tiny": tiny_config, "v4-mini": v4_mini_config, "v4-mini-v2": v4_mini_v2_config}
+
 
 @torch.no_grad()
 def step_times(model, batch: int, context: int, steps: int, compiled: bool = False) -> list[float]:
