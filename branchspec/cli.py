@@ -7,6 +7,7 @@ import json
 import sys
 
 from branchspec.config import AutoPolicy, SamplingParams, SpecConfig
+from branchspec.speculative.draft_vocab import token_map_arg
 
 
 POLICY_HELP = ("fixed: one configuration for every round (the --speculative-* flags); auto: pick the "
@@ -51,6 +52,7 @@ def _add_generate(sub):
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="verify budget D per round, root included (default 6; steps+1 for a chain)")
     p.add_argument("--speculative-policy", default="fixed", choices=["fixed", "auto"], help=POLICY_HELP)
+    p.add_argument("--speculative-token-map", default=None, metavar="FILE|none", help="a reduced draft vocabulary file (draft_vocab.safetensors), or none for the full vocabulary (default: the checkpoint's own map, if it has one)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -71,7 +73,8 @@ def _generate(args) -> int:
                                 seed=args.seed)
     except ValueError as e:
         args.parser.error(str(e))
-    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile, device=args.device,
+              speculative_token_map=token_map_arg(args.speculative_token_map))
     if args.compile:
         from branchspec.execution.compiled import report_progress
 
@@ -124,6 +127,7 @@ def _add_serve(sub):
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="verify budget D per round, root included (default 6; steps+1 for a chain)")
     p.add_argument("--speculative-policy", default="fixed", choices=["fixed", "auto"], help=POLICY_HELP)
+    p.add_argument("--speculative-token-map", default=None, metavar="FILE|none", help="a reduced draft vocabulary file (draft_vocab.safetensors), or none for the full vocabulary (default: the checkpoint's own map, if it has one)")
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="requests decoded together at most (the batch; page pools are sized for it)")
     p.add_argument("--max-queued-requests", type=int, default=256,
@@ -179,7 +183,8 @@ def _serve(args) -> int:
 
         torch.set_num_threads(args.num_threads)
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
-              max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device)
+              max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device,
+              speculative_token_map=token_map_arg(args.speculative_token_map))
     if args.compile:   # before the port opens: no request waits for a compilation
         info = llm.warmup(spec, batch_sizes=(1,))
         logging.getLogger("branchspec.serve").info("fast path ready in %.1f s (%d graphs compiled, %d loaded)",
@@ -328,6 +333,47 @@ def _distill(args) -> int:
     return 0
 
 
+def _add_draft_vocab(sub):
+    p = sub.add_parser("draft-vocab", help="build a reduced draft vocabulary (--speculative-token-map) for a "
+                                           "checkpoint from its target's predictions on training text")
+    p.add_argument("checkpoint", help="branchspec checkpoint folder (with tokenizer.json)")
+    p.add_argument("--size", type=int, default=1024, help="tokens the drafter may propose (default 1024)")
+    p.add_argument("--out", default=None,
+                   help="file to write (default: CHECKPOINT/draft_vocab.safetensors, which LLM and serve use)")
+    p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (else $BRANCHSPEC_MBPP, else skipped)")
+    p.set_defaults(func=_draft_vocab, parser=p)
+
+
+def _draft_vocab(args) -> int:
+    from pathlib import Path
+
+    from branchspec.checkpoint import load_checkpoint
+    from branchspec.data.tokenizer import Tokenizer
+    from branchspec.data.workloads import resolve_mbpp_path
+    from branchspec.speculative.draft_vocab import DRAFT_VOCAB_FILE
+    from branchspec.train.draft_vocab import DEFAULT_CHARS, build_draft_vocab
+
+    folder = Path(args.checkpoint)
+    if not (folder / "tokenizer.json").is_file():
+        args.parser.error(f"{folder} has no tokenizer.json: the training text cannot be encoded")
+    model = load_checkpoint(folder, "float32")
+    if not 1 <= args.size <= model.cfg.vocab_size:
+        args.parser.error(f"--size must be in [1, {model.cfg.vocab_size}], got {args.size}")
+    workloads = [w for w in DEFAULT_CHARS if w != "mbpp"]
+    try:   # MBPP only from a local file: a map should not depend on reaching the hub
+        if resolve_mbpp_path(args.mbpp_path) is not None:
+            workloads.append("mbpp")
+    except FileNotFoundError as e:
+        args.parser.error(str(e))
+    vocab, summary = build_draft_vocab(model, Tokenizer.from_dir(folder), args.size, mbpp_path=args.mbpp_path,
+                                       workloads=workloads, progress=True)
+    out = vocab.save(args.out or folder / DRAFT_VOCAB_FILE,
+                     metadata={k: str(v) for k, v in summary.items()} | {"size": str(vocab.size)})
+    print(f"{vocab.size} tokens cover {100 * summary['coverage']:.1f}% of the target's {summary['predictions']} "
+          f"predictions on {summary['workloads']}; written to {out}")
+    return 0
+
+
 def _add_bench(sub):
     p = sub.add_parser("bench", help="tree vs chain at matched budgets, batch sizes and workloads")
     try:
@@ -375,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_train(sub)
     _add_distill(sub)
+    _add_draft_vocab(sub)
     _add_convert(sub)
     return parser
 

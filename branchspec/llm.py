@@ -18,6 +18,7 @@ from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
 from branchspec.execution import expert_dispatch
+from branchspec.speculative.draft_vocab import DraftVocab
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini-v2"
 
@@ -71,11 +72,15 @@ class LLM:
     `seed` fixes that stream, so a whole script of calls is reproducible.
     `compile=True` runs decode, verify and drafting compiled (`warmup` compiles ahead).
     `device` ("cpu", "cuda", "cuda:N") is where the model, its state and its steps run.
+    `speculative_token_map` (SGLang's flag): the tokens the drafter may propose, a reduced
+    draft vocabulary (`speculative/draft_vocab.py`); None takes the checkpoint's own
+    `draft_vocab.safetensors` if it has one, False drafts over the whole vocabulary.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  max_batch_size: int = 64, max_model_len: int | None = None, page_size: int = 16,
-                 seed: int | None = None, compile: bool = False, device: str = "cpu"):
+                 seed: int | None = None, compile: bool = False, device: str = "cpu",
+                 speculative_token_map: str | os.PathLike | bool | None = None):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder path (str or PathLike) or None, "
                             f"got {type(model).__name__}")
@@ -100,6 +105,7 @@ class LLM:
                 raise ValueError(f"{path / 'tokenizer.json'} has {self.tokenizer.vocab_size} tokens but "
                                  f"config.json's vocab_size is {self.model.cfg.vocab_size}; the model "
                                  "cannot embed the extra ids")
+        self.draft_vocab = self._draft_vocab(speculative_token_map)
         self.seed = seed
         self.engine = self._build_engine()
         self.last_stats = GenerateStats()
@@ -108,15 +114,29 @@ class LLM:
     def config(self):
         return self.model.cfg
 
+    def _draft_vocab(self, token_map) -> DraftVocab | None:
+        """The reduced draft vocabulary: the checkpoint's `draft_vocab.safetensors` when
+        `token_map` is None, the given file, or none at all (False: draft over every token)."""
+        vocab_size = self.model.cfg.vocab_size
+        if token_map is None or token_map is True:
+            return DraftVocab.of_folder(self.path, vocab_size)
+        if token_map is False:
+            return None
+        if not isinstance(token_map, (str, os.PathLike)):
+            raise TypeError(f"speculative_token_map must be a file path, None (the checkpoint's own) or False "
+                            f"(the full vocabulary), got {type(token_map).__name__}")
+        return DraftVocab.load(token_map, vocab_size)
+
     def _build_engine(self) -> Engine:
         # Stop on every end-of-sequence id the checkpoint declares (an HF eos list), and on
         # the tokenizer's own (e.g. the chat turn-end token).
         stop_ids = set(checkpoint_stop_ids(self.path))
-        if self.tokenizer is None:
-            return Engine(self.model, self.engine_config, seed=self.seed, stop_token_ids=tuple(sorted(stop_ids)))
-        stop_ids.update(self.tokenizer.stop_ids)
-        return Engine(self.model, self.engine_config, decode=self._decode_output, seed=self.seed,
-                      stop_token_ids=tuple(sorted(stop_ids)))
+        decode = None
+        if self.tokenizer is not None:
+            stop_ids.update(self.tokenizer.stop_ids)
+            decode = self._decode_output
+        return Engine(self.model, self.engine_config, decode=decode, seed=self.seed,
+                      stop_token_ids=tuple(sorted(stop_ids)), draft_vocab=self.draft_vocab)
 
     def _decode_output(self, ids: list[int]) -> str:
         """Text of generated ids. A model's vocabulary may be padded past its tokenizer's

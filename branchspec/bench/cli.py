@@ -111,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--speculative-token-map", default=None, metavar="FILE|none",
+                   help="a reduced draft vocabulary file (draft_vocab.safetensors), or none for the full vocabulary (default: the checkpoint's own map, if it has one)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -141,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         dtype=args.dtype,
         compile=args.compile,
         device=args.device,
+        token_map=args.speculative_token_map,
         threads=args.threads,
         progress=not args.no_progress,
         plots=not args.no_plots,

@@ -20,6 +20,7 @@ import torch
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
 from branchspec.config import SamplingParams, SpecConfig, check_device, spec_label
+from branchspec.speculative.draft_vocab import token_map_arg
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 
@@ -63,6 +64,9 @@ class StudyConfig:
     dtype: str = "float32"
     compile: bool = False
     device: str = "cpu"               # "cpu", "cuda" or "cuda:N"
+    # The drafter's vocabulary: None the checkpoint's own reduced map (if any), "none" the
+    # full vocabulary, else a map file (`LLM(speculative_token_map=...)`).
+    token_map: str | None = None
     threads: int | None = None
     prompts_override: dict[str, list[list[int]]] | None = None
     progress: bool = True
@@ -199,6 +203,7 @@ class StudyConfig:
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
             "dtype": self.dtype, "compile": self.compile, "device": self.device,
+            "token_map": self.token_map or "checkpoint's",
             "threads": self.threads or torch.get_num_threads(),
             "prompts": "override" if self.prompts_override is not None else "eval split",
             "policies": list(self.policies),
@@ -279,7 +284,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     # request plus one round of slack (not the model's full max_position); seeded, so
     # sampled studies repeat run to run.
     llm = LLM(cfg.model, dtype=cfg.dtype, max_batch_size=max(cfg.batch_sizes), max_model_len=max_len,
-              seed=0, compile=cfg.compile, device=cfg.device)
+              seed=0, compile=cfg.compile, device=cfg.device, speculative_token_map=token_map_arg(cfg.token_map))
     compile_seconds = 0.0
     if cfg.compile:
         # Compile every graph the grid needs before anything is timed.

@@ -23,6 +23,7 @@ from branchspec.engine.runner import ModelRunner
 from branchspec.engine.scheduler import Scheduler
 from branchspec.execution import make_executor
 from branchspec.model.model import Transformer
+from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.drafter import MTPDrafter
 from branchspec.speculative.policy import BatchView, SpecPolicy, make_policy
 from branchspec.speculative.round import RoundResult
@@ -31,7 +32,9 @@ from branchspec.speculative.round import RoundResult
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
                  decode: Callable[[list[int]], str] | None = None, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = ()):
+                 stop_token_ids: tuple[int, ...] = (), draft_vocab: DraftVocab | None = None):
+        """draft_vocab: the tokens the drafter may propose (a reduced draft vocabulary);
+        None: all of them."""
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.cfg = model.cfg
@@ -44,7 +47,7 @@ class Engine:
                                 num_pages=dict(self.config.num_pages))
         chunk = self.config.prefill_chunk_size
         self.executor = make_executor(model, self.cache, self.config.compile)
-        self.drafter = MTPDrafter(model, self.cache, self.executor, chunk) if model.mtp else None
+        self.drafter = MTPDrafter(model, self.cache, self.executor, chunk, draft_vocab) if model.mtp else None
         self.runner = ModelRunner(model, self.cache, self.executor, self.drafter, chunk)
         self.scheduler = Scheduler(self.config.max_batch_size)
         self.decode = decode
@@ -78,6 +81,9 @@ class Engine:
 
             policy = make_policy(spec, costs)
             policy.check(self.cfg, self.drafter is not None)
+            for c in policy.configurations:
+                if c is not None:
+                    self.drafter.check(c)
             policy.prepare(progress)
             self._policies[spec] = policy
         return policy

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from branchspec.config import Compression, ModelConfig
@@ -174,12 +175,14 @@ class Transformer(nn.Module):
         hidden = h.reshape(B, N, -1)
         return ForwardOutput(logits=self.mtp_logits(hidden) if logits else None, hidden=hidden, scratch=[s])
 
-    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP block's hidden states [..., n*d] (all streams) -> its logits [..., V]."""
+    def mtp_logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The MTP block's hidden states [..., n*d] (all streams) -> its logits [..., V], or
+        only at the tokens whose LM-head rows are `head_rows` [N, d] ([..., N])."""
         mtp, cfg = self.mtp[0], self.cfg
         if cfg.hc_mult:
             hidden = hidden.unflatten(-1, (cfg.hc_mult, cfg.d_model))
-        return self.head(mtp.norm(collapse(mtp, hidden, cfg)))
+        x = mtp.norm(collapse(mtp, hidden, cfg))
+        return self.head(x) if head_rows is None else F.linear(x, head_rows)
 
     # -- training ---------------------------------------------------------------------
     def full_forward(self, input_ids: torch.Tensor, with_mtp: bool = False

@@ -33,6 +33,7 @@ from branchspec.config import SpecConfig
 from branchspec.model.attention import LayerState
 from branchspec.model.metadata import build_meta, chain_meta
 from branchspec.model.model import Transformer
+from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.tree import DraftTree, select_tree
 
 
@@ -44,7 +45,7 @@ class DraftRoot:
 
     k: torch.Tensor        # [B, 1, d_h] the root's MTP key (at position L, not committed)
     hidden: torch.Tensor   # [B, 1, n*d] its MTP hidden state
-    logits: torch.Tensor   # [B, V]
+    logits: torch.Tensor   # [B, N] over the drafted vocabulary (N = V without a reduced one)
 
     def row(self, b: int) -> "DraftRoot":
         return DraftRoot(self.k[b:b + 1], self.hidden[b:b + 1], self.logits[b:b + 1])
@@ -115,12 +116,34 @@ class MTPDrafter:
     state's "mtp" pool. Round forwards go through the executor (compiled or not); chunks
     of committed positions (prefill, catch-up) run eagerly, as the target's prefill does."""
 
-    def __init__(self, model: Transformer, cache: PagedState, executor, chunk_size: int = 256):
+    def __init__(self, model: Transformer, cache: PagedState, executor, chunk_size: int = 256,
+                 vocab: DraftVocab | None = None):
+        """vocab: draft only these tokens (`draft_vocab.DraftVocab`); None: the whole vocabulary."""
         if not model.mtp:
             raise ValueError("the checkpoint has no MTP block (num_mtp_layers = 0); it cannot draft")
         self.model, self.cache, self.executor = model, cache, executor
         self.chunk = chunk_size
         self.states: dict[int, DrafterState] = {}
+        w = model.head.weight
+        # The drafted tokens [N] and their LM-head rows [N, d] (a copy: the drafter reads
+        # N rows, not the whole head); None: every token.
+        self.vocab_ids = vocab.token_ids.to(w.device) if vocab is not None else None
+        self.head_rows = w.detach()[self.vocab_ids].contiguous() if vocab is not None else None
+        self.vocab_size = vocab.size if vocab is not None else model.cfg.vocab_size
+
+    def check(self, spec: SpecConfig) -> None:
+        """Each step takes topk distinct tokens of the drafted vocabulary."""
+        if spec.topk > self.vocab_size:
+            raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the drafter's vocabulary of {self.vocab_size} "
+                             f"tokens; use topk <= {self.vocab_size}")
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter logits [..., N] over the drafted vocabulary at hidden states [..., n*d]."""
+        return self.model.mtp_logits(hidden, self.head_rows)
+
+    def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Positions in the drafted vocabulary -> target token ids (same shape)."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
 
     def state(self, seq_id: int) -> DrafterState:
         if seq_id not in self.states:
@@ -229,12 +252,13 @@ class MTPDrafter:
         if root is None:
             out = self.executor.drafter(root_ids[:, None], prev_hidden[:, None],
                                    chain_meta(num_committed, 1, (), max_new=1), committed)
-            root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=self.model.mtp_logits(out.hidden[:, 0]))
+            root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=self._logits(out.hidden[:, 0]))
         slot_k = root.k                                             # [B, X, d_h] keys of expanded nodes
         slot_pos = num_committed[:, None].clone()                   # [B, X]
         slot_hidden = root.hidden                                   # [B, X, d]
         logp = torch.log_softmax(root.logits.float(), dim=-1)
         cand_score, cand_tok = logp.topk(k, dim=-1)                 # [B, k]
+        cand_tok = self._token_ids(cand_tok)
         cand_parent = torch.full((B, k), -1, dtype=torch.long, device=device)   # candidate index, -1 root
         cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
         cand_anc = torch.ones(B, k, 1, dtype=torch.bool, device=device)         # [B, C, X] ancestor slots
@@ -264,8 +288,9 @@ class MTPDrafter:
             slot_hidden = torch.cat([slot_hidden, out.hidden], dim=1)
 
             # Children: k per frontier node, scored by cumulative log-probability.
-            logp = torch.log_softmax(self.model.mtp_logits(out.hidden).float(), dim=-1)   # [B, k, V]
+            logp = torch.log_softmax(self._logits(out.hidden).float(), dim=-1)   # [B, k, N]
             child_lp, child_tok = logp.topk(k, dim=-1)               # [B, k, k]
+            child_tok = self._token_ids(child_tok)
             child_score = (cand_score.gather(1, frontier)[..., None] + child_lp).reshape(B, k * k)
             child_parent = frontier[..., None].expand(B, k, k).reshape(B, k * k)
             child_slot_parent = new_slots[None, :, None].expand(B, k, k).reshape(B, k * k)
@@ -312,7 +337,7 @@ class MTPDrafter:
         last = path_hidden[rows, path_len - 1]                               # [B, d]
         at_root = (rows, path_len)
         ahead = DraftRoot(k=out.scratch[0].k[at_root][:, None], hidden=out.hidden[at_root][:, None],
-                          logits=self.model.mtp_logits(out.hidden[at_root]))
+                          logits=self._logits(out.hidden[at_root]))
         new_lengths = (lengths + path_len).tolist()
         for b, sid in enumerate(seq_ids):
             st = self.states[sid]
