@@ -123,16 +123,6 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        self.validate(prompt_ids, params)
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-                       generator=torch.Generator().manual_seed(seed))
-        seq.arrival = seq.seq_id
-        self.scheduler.add(seq)
-        return seq
-
     # -- loop -------------------------------------------------------------------------
     def step(self, spec: SpecConfig | AutoPolicy | None) -> list[Sequence]:
         """Admit what fits, then one decode step or speculative round. Returns the requests
