@@ -15,15 +15,26 @@ class SpecConfig:
 
     num_steps: draft depth; topk: branching per step (1 = chain);
     num_draft_tokens: verify budget D per sequence, the root included.
+    selection: which D - 1 drafted nodes a tree keeps (and which topk each step expands):
+    "eagle2" (the paper's method) the highest cumulative draft probability; "calibrated"
+    the highest measured acceptance (`speculative/calibration.py`), learnt online from
+    verified rounds, so a tree keeps the chain wherever the chain is the better bet.
     """
 
     num_steps: int = 3
     topk: int = 2
     num_draft_tokens: int = 6
+    selection: str = "eagle2"
+
+    SELECTIONS: ClassVar[tuple[str, ...]] = ("eagle2", "calibrated")
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "topk", "num_draft_tokens"):
             object.__setattr__(self, name, check_int("SpecConfig", name, getattr(self, name), minimum=1))
+        if not isinstance(self.selection, str):
+            raise ConfigTypeError(f"SpecConfig.selection must be a string, got {type(self.selection).__name__}")
+        if self.selection not in self.SELECTIONS:
+            raise ConfigError(f"SpecConfig.selection={self.selection!r} is not one of {self.SELECTIONS}")
         s, k, d = self.num_steps, self.topk, self.num_draft_tokens
         if d < 2:
             raise ConfigError(f"SpecConfig.num_draft_tokens={d} leaves no draft token (the root counts as "
@@ -50,7 +61,8 @@ class SpecConfig:
         """``chain D=5`` or ``tree 3x2 D=6`` (see `spec_label`)."""
         if self.is_chain:
             return f"chain D={self.num_draft_tokens}"
-        return f"tree {self.num_steps}x{self.topk} D={self.num_draft_tokens}"
+        tail = " calibrated" if self.selection == "calibrated" else ""
+        return f"tree {self.num_steps}x{self.topk} D={self.num_draft_tokens}{tail}"
 
     def check_model(self, vocab_size: int) -> None:
         """What only a model can tell: each step takes topk distinct tokens of the vocabulary."""

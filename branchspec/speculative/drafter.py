@@ -5,9 +5,11 @@ last emitted token, with the target's hidden state before it) and takes its top-
 children. Every later step runs the block on the current frontier, chained on each node's
 parent's MTP hidden state, scores the top-k children of every frontier node by cumulative
 draft log-probability, and keeps the best `topk` of them as the next frontier. At the end
-the best D-1 candidates are kept (`tree.select_tree`). Since a child's score never exceeds
-its parent's and a stable sort keeps earlier-created nodes first among ties, the kept set
-is closed under ancestors; ordering it by creation puts parents before children.
+the best D-1 candidates are kept (`tree.select_tree`). Since a child's score never
+exceeds its parent's and a stable sort keeps earlier-created nodes first among ties, the
+kept set is closed under ancestors; ordering it by creation puts parents before children.
+The calibrated selection ranks frontier and kept nodes by measured acceptance instead
+(`calibration.py`), which never exceeds the parent's either.
 
 The drafter's attention is tree-masked: a frontier node sees the committed drafter KV plus
 the MTP keys of its own ancestors (root slot included), never a sibling's.
@@ -33,6 +35,7 @@ from branchspec.config import SpecConfig
 from branchspec.model.attention import LayerState
 from branchspec.model.metadata import build_meta, chain_meta
 from branchspec.model.model import Transformer
+from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
 from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.tree import DraftTree, select_tree
 
@@ -101,7 +104,11 @@ class Drafter(Protocol):
 
     def catch_up(self, seq_ids: list[int], lengths: torch.Tensor) -> None: ...
 
-    def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig) -> DraftTree: ...
+    def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig,
+                greedy: list[bool] | None = None) -> DraftTree: ...
+
+    def learn(self, seq_ids: list[int], greedy: list[bool], children: torch.Tensor, children_logp: torch.Tensor,
+              targets: torch.Tensor) -> None: ...
 
     def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,
                path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None: ...
@@ -130,6 +137,8 @@ class MTPDrafter:
         self.vocab_ids = vocab.token_ids.to(w.device) if vocab is not None else None
         self.head_rows = w.detach()[self.vocab_ids].contiguous() if vocab is not None else None
         self.vocab_size = vocab.size if vocab is not None else model.cfg.vocab_size
+        # The calibrated selection's measured acceptance (per request and engine-wide).
+        self.calibration = AcceptanceModel()
 
     def check(self, spec: SpecConfig) -> None:
         """Each step takes topk distinct tokens of the drafted vocabulary."""
@@ -157,6 +166,7 @@ class MTPDrafter:
     def forget(self, seq_id: int) -> None:
         """The request finished, or its cached state was dropped (preemption)."""
         self.states.pop(seq_id, None)
+        self.calibration.forget(seq_id)
 
     # -- following the committed text ---------------------------------------------------
     @torch.no_grad()
@@ -227,22 +237,43 @@ class MTPDrafter:
         return DraftRoot.stack(rows)
 
     @torch.no_grad()
-    def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig) -> DraftTree:
+    def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig,
+                greedy: list[bool] | None = None) -> DraftTree:
         """Grow one draft tree per request. lengths: [B] committed L; roots: [B] the root
-        tokens (at position L). The drafter must have followed every committed position
-        (`catch_up` first)."""
+        tokens (at position L); greedy: per request, whether it decodes greedily (the
+        calibrated selection keeps greedy and sampled acceptance apart). The drafter must
+        have followed every committed position (`catch_up` first)."""
         missing = [sid for sid in seq_ids if sid not in self.states or self.states[sid].last_hidden is None]
         if missing:
             raise RuntimeError(f"the drafter has not followed requests {missing}: no target hidden state to start from")
         prev_hidden = torch.stack([self.states[sid].last_hidden for sid in seq_ids])   # [B, d]
         root = self._roots_ahead(seq_ids, lengths.tolist())
-        return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root)
+        log_q = None
+        if spec.selection == "calibrated":
+            modes = [GREEDY if g else SAMPLED for g in (greedy or [True] * len(seq_ids))]
+            log_q = self.calibration.log_acceptance(seq_ids, modes)
+        return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q)
+
+    def learn(self, seq_ids: list[int], greedy: list[bool], children: torch.Tensor, children_logp: torch.Tensor,
+              targets: torch.Tensor) -> None:
+        """What a verified round says about acceptance (`calibration.AcceptanceModel.observe`):
+        the proposals after each accepted-path node [B, D, k], their log-probabilities, and
+        the target's token there [B, D]."""
+        self.calibration.observe(seq_ids, [GREEDY if g else SAMPLED for g in greedy], children, children_logp,
+                                 targets)
 
     def _grow(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
-              committed: LayerState, spec: SpecConfig, root: DraftRoot | None) -> DraftTree:
+              committed: LayerState, spec: SpecConfig, root: DraftRoot | None,
+              log_q: torch.Tensor | None = None) -> DraftTree:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
         committed: the drafter's KV for positions < L (from the paged pool); root: the
-        drafter's output at the root when already computed (`DraftRoot`)."""
+        drafter's output at the root when already computed (`DraftRoot`); log_q: the
+        calibrated selection's log acceptance tables (`AcceptanceModel.log_acceptance`),
+        None for EAGLE-2's cumulative draft log-probability.
+
+        Candidates carry two scores: `cand_score`, the cumulative draft log-probability,
+        and `cand_value`, what the selection ranks by (the same score for EAGLE-2; the sum
+        of log q along the path for the calibrated selection)."""
         k, D = spec.topk, spec.num_draft_tokens
         B = root_ids.shape[0]
         device = root_ids.device
@@ -259,12 +290,17 @@ class MTPDrafter:
         logp = torch.log_softmax(root.logits.float(), dim=-1)
         cand_score, cand_tok = logp.topk(k, dim=-1)                 # [B, k]
         cand_tok = self._token_ids(cand_tok)
+        root_main = torch.ones(B, 1, dtype=torch.bool, device=device)
+        cand_value = cand_score if log_q is None else \
+            self.calibration.edge_log_values(log_q, 1, root_main, cand_score[:, None])[:, 0]
+        cand_main = (torch.arange(k, device=device) == 0).expand(B, k)         # [B, C] on the main line
         cand_parent = torch.full((B, k), -1, dtype=torch.long, device=device)   # candidate index, -1 root
         cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
         cand_anc = torch.ones(B, k, 1, dtype=torch.bool, device=device)         # [B, C, X] ancestor slots
         frontier = torch.arange(k, device=device).expand(B, k)      # candidate indices
-        root_children = cand_tok
+        root_children, root_children_logp = cand_tok, cand_score
         cand_children = torch.full((B, k, k), -1, dtype=torch.long, device=device)   # [B, C, k]
+        cand_children_logp = torch.zeros(B, k, k, device=device)                      # their log-probabilities
 
         for step in range(1, spec.num_steps):
             X = slot_k.shape[1]
@@ -287,11 +323,19 @@ class MTPDrafter:
             slot_pos = torch.cat([slot_pos, positions], dim=1)
             slot_hidden = torch.cat([slot_hidden, out.hidden], dim=1)
 
-            # Children: k per frontier node, scored by cumulative log-probability.
+            # Children: k per frontier node, scored by cumulative log-probability (and
+            # valued by the calibrated selection's measured acceptance).
             logp = torch.log_softmax(self._logits(out.hidden).float(), dim=-1)   # [B, k, N]
             child_lp, child_tok = logp.topk(k, dim=-1)               # [B, k, k]
             child_tok = self._token_ids(child_tok)
             child_score = (cand_score.gather(1, frontier)[..., None] + child_lp).reshape(B, k * k)
+            parent_main = cand_main.gather(1, frontier)                          # [B, k]
+            if log_q is None:
+                child_value = child_score
+            else:
+                edge = self.calibration.edge_log_values(log_q, step + 1, parent_main, child_lp)
+                child_value = (cand_value.gather(1, frontier)[..., None] + edge).reshape(B, k * k)
+            child_main = (parent_main[..., None] & (torch.arange(k, device=device) == 0)).reshape(B, k * k)
             child_parent = frontier[..., None].expand(B, k, k).reshape(B, k * k)
             child_slot_parent = new_slots[None, :, None].expand(B, k, k).reshape(B, k * k)
             own = torch.zeros(B, k, X + k, dtype=torch.bool, device=device)
@@ -303,16 +347,21 @@ class MTPDrafter:
             cand_children = cand_children.scatter(1, frontier[..., None].expand(B, k, k), child_tok)
             cand_children = torch.cat([cand_children, torch.full((B, k * k, k), -1, dtype=torch.long,
                                                                  device=device)], dim=1)
+            cand_children_logp = cand_children_logp.scatter(1, frontier[..., None].expand(B, k, k), child_lp)
+            cand_children_logp = torch.cat([cand_children_logp, torch.zeros(B, k * k, k, device=device)], dim=1)
+            cand_value = torch.cat([cand_value, child_value], dim=1)
+            cand_main = torch.cat([cand_main, child_main], dim=1)
             cand_tok = torch.cat([cand_tok, child_tok.reshape(B, k * k)], dim=1)
             cand_score = torch.cat([cand_score, child_score], dim=1)
             cand_parent = torch.cat([cand_parent, child_parent], dim=1)
             cand_slot_parent = torch.cat([cand_slot_parent, child_slot_parent], dim=1)
             cand_anc = torch.cat([torch.cat([cand_anc, torch.zeros(B, C, k, dtype=torch.bool, device=device)], 2),
                                   child_anc], dim=1)
-            best = torch.sort(child_score, dim=1, descending=True, stable=True).indices[:, :k]
+            best = torch.sort(child_value, dim=1, descending=True, stable=True).indices[:, :k]
             frontier = C + best
 
-        return select_tree(root_ids, cand_tok, cand_parent, cand_score, D, root_children, cand_children)
+        return select_tree(root_ids, cand_tok, cand_parent, cand_value, D, root_children, cand_children,
+                           root_children_logp, cand_children_logp)
 
     @torch.no_grad()
     def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,

@@ -20,21 +20,28 @@ class DraftTree:
 
     tokens: torch.Tensor      # [B, D] token ids, tokens[:, 0] = root
     parents: torch.Tensor     # [B, D] parent node index, -1 for the root
-    scores: torch.Tensor      # [B, D] cumulative draft log-probability, 0 for the root
+    # [B, D] what the selection ranked by, 0 for the root: the cumulative draft
+    # log-probability (EAGLE-2), or the log of the path's measured acceptance (calibrated)
+    scores: torch.Tensor
     # [B, D, topk] the drafter's top-k proposals after each node, best first, whether or not
-    # they were kept; -1 for nodes the drafter did not expand. An adaptive policy compares
-    # them with the target's tokens to learn acceptance by depth and rank without bias.
+    # they were kept; -1 for nodes the drafter did not expand. A policy or the calibrated
+    # selection compares them with the target's tokens to learn acceptance by depth and
+    # rank without bias; children_logp [B, D, topk] are their draft log-probabilities.
     children: torch.Tensor | None = None
+    children_logp: torch.Tensor | None = None
 
 
 def select_tree(root_ids: torch.Tensor, cand_tok: torch.Tensor, cand_parent: torch.Tensor,
                 cand_score: torch.Tensor, num_draft_tokens: int, root_children: torch.Tensor | None = None,
-                cand_children: torch.Tensor | None = None) -> DraftTree:
-    """Keep the best D-1 candidates (ancestor-closed), ordered by creation (parents first).
+                cand_children: torch.Tensor | None = None, root_children_logp: torch.Tensor | None = None,
+                cand_children_logp: torch.Tensor | None = None) -> DraftTree:
+    """Keep the best D-1 candidates by score (ancestor-closed: a child never scores above
+    its parent, and a stable sort keeps the earlier-created first among ties), ordered by
+    creation (parents first).
 
     cand_*: [B, C] with cand_parent = -1 for children of the root; root_children [B, k]
     and cand_children [B, C, k] (-1 rows where not expanded), when given, become the
-    tree's `children`.
+    tree's `children`, and their log-probabilities its `children_logp`.
     """
     B, C = cand_tok.shape
     keep_n = num_draft_tokens - 1
@@ -53,4 +60,9 @@ def select_tree(root_ids: torch.Tensor, cand_tok: torch.Tensor, cand_parent: tor
         k = cand_children.shape[2]
         kept_children = cand_children.gather(1, kept[..., None].expand(B, keep_n, k))
         children = torch.cat([root_children[:, None], kept_children], dim=1)      # [B, D, k]
-    return DraftTree(tokens=tokens, parents=parents, scores=scores, children=children)
+    children_logp = None
+    if cand_children_logp is not None:
+        k = cand_children_logp.shape[2]
+        kept_logp = cand_children_logp.gather(1, kept[..., None].expand(B, keep_n, k))
+        children_logp = torch.cat([root_children_logp[:, None], kept_logp], dim=1)  # [B, D, k]
+    return DraftTree(tokens=tokens, parents=parents, scores=scores, children=children, children_logp=children_logp)
