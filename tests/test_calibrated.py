@@ -1,0 +1,154 @@
+"""The calibrated draft-tree selection: lossless like every tree (greedy equal to plain,
+sampled following the target's distribution, invariant S), and the trees it keeps follow
+the acceptance it measured."""
+
+import itertools
+
+import pytest
+import torch
+
+from branchspec.checkpoint import load_checkpoint, save_checkpoint
+from branchspec.config import EngineConfig, SamplingParams, SpecConfig, tiny_config
+from branchspec.engine.engine import Engine
+from branchspec.llm import LLM
+from branchspec.model.init import random_model
+from branchspec.speculative.calibration import GREEDY, MAX_DEPTH, AcceptanceModel
+from conftest import markov_batches
+from test_spec_decode import chi2_sf
+
+CALIBRATED = [SpecConfig(3, 2, 6, selection="calibrated"), SpecConfig(5, 2, 6, selection="calibrated"),
+              SpecConfig(2, 4, 7, selection="calibrated"), SpecConfig(7, 2, 8, selection="calibrated")]
+
+
+@pytest.fixture(scope="module")
+def llm(trained_ckpt):
+    return LLM(trained_ckpt, dtype="float64", max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    lengths = [5, 126, 127, 40, 3, 250, 64, 9]
+    data = next(markov_batches(64, 1, batch=len(lengths), length=260, seed=5))
+    return [data[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 37, 5, 60, 11, 30, 1, 44)]
+
+
+@pytest.mark.parametrize("spec", CALIBRATED, ids=lambda s: f"{s.num_steps}x{s.topk}-D{s.num_draft_tokens}")
+def test_greedy_calibrated_equals_plain_batch_of_8(llm, prompts, params, spec):
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    for _ in range(2):          # the second call selects on what the first measured
+        outs = llm.generate(prompts, params, spec=spec)
+        assert [o.token_ids for o in outs] == plain
+    assert llm.last_stats.accept_length > 1.2, "drafts were hardly accepted: the test would prove little"
+
+
+def test_sampled_calibrated_follows_target_distribution(tmp_path):
+    """The chi-square test of test_spec_decode with the calibrated selection, which by then
+    has learnt from the sampled rounds before it."""
+    cfg = tiny_config(vocab_size=8, compress_ratios=(0, 4, 0, 4), index_topk=2)
+    model = random_model(cfg, seed=4, dtype="float64", std=0.25)
+    save_checkpoint(model, tmp_path)
+    llm = LLM(tmp_path, dtype="float64", max_batch_size=64)
+    prompt = [3, 5, 7, 6, 4, 5, 3]
+    n = 1500
+    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=4000 + i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, spec=SpecConfig(3, 2, 4, selection="calibrated"))
+    assert sum(o.num_rounds for o in outs) < 2 * n, "no round accepted a draft"
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(8), repeat=2)])
+    with torch.no_grad():
+        lp = torch.log_softmax(model.full_forward(seqs)[0].logits, -1)
+        P = len(prompt)
+        expected = torch.einsum("a,ab,abc->bc", lp[0, P - 1].exp(), lp[:, P, :].exp().view(8, 8, 8)[:, 0],
+                                lp[:, P + 1, :].exp().view(8, 8, 8)) * n
+    mask = expected >= 5
+    chi2 = (((counts - expected) ** 2 / expected)[mask]).sum().item()
+    assert chi2_sf(chi2, int(mask.sum()) - 1) > 1e-3, chi2
+    model = llm.engine.drafter.calibration
+    prior = model.prior_hits / model.prior_tries
+    greedy, sampled = ((h / t) for h, t in model.global_counts)
+    assert torch.allclose(greedy, prior), "sampled rounds must not teach the greedy estimates"
+    assert not torch.allclose(sampled, prior), "the sampled rounds taught it nothing"
+
+
+@pytest.mark.parametrize("spec", CALIBRATED[:2], ids=["3x2", "5x2"])
+def test_state_after_calibrated_rounds_equals_sequential(trained_ckpt, prompts, spec):
+    """Invariant S for calibrated trees: target state and drafter KV after several rounds
+    equal a sequential pass over the committed tokens."""
+    from helpers import assert_same_state, sequential, sequential_drafter
+
+    model = load_checkpoint(trained_ckpt, "float64")
+    engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4))
+    seqs = [engine.add_request(prompts[i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in (1, 6)]
+    for _ in range(6):
+        engine.step(spec)
+    for seq in seqs:
+        L = seq.num_committed
+        assert not seq.finished and L > len(seq.prompt_ids)
+        committed = seq.token_ids[:L]
+        ref, _ = sequential(model, committed, chunk=1)
+        drafter, _ = sequential_drafter(model, committed)
+        assert_same_state(engine.cache.snapshot(seq.seq_id, L, mtp_length=L), {**ref.snapshot(0, L), **drafter})
+
+
+def _taught(model: AcceptanceModel, q_main_first: float, q_siblings: float) -> None:
+    """Set the engine-wide greedy estimates: the drafter's first guess on its main line is
+    accepted with q_main_first, every other edge with q_siblings."""
+    hits, tries = model.global_counts[GREEDY]
+    tries.fill_(1000.0)
+    hits.fill_(1000.0 * q_siblings)
+    hits[0, :, 0] = 1000.0 * q_main_first
+
+
+def _tree_of(llm: LLM, prompt: list[int], spec: SpecConfig):
+    """The tree the drafter grows for `prompt` right after its prefill."""
+    engine = llm.engine
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine._admit(engine.policy(spec))
+    try:
+        L = torch.tensor([seq.num_committed])
+        return engine.drafter.propose([seq.seq_id], L, torch.tensor([seq.root_id]), spec, [True])
+    finally:
+        engine.abort(seq)
+
+
+def test_the_selection_keeps_the_chain_or_widens_as_acceptance_says(trained_ckpt, prompts):
+    llm = LLM(trained_ckpt, dtype="float64", max_batch_size=2)
+    spec = SpecConfig(5, 2, 6, selection="calibrated")
+    _taught(llm.engine.drafter.calibration, q_main_first=0.95, q_siblings=0.05)
+    tree = _tree_of(llm, prompts[1], spec)
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4], "first guesses always accepted: the chain"
+    _taught(llm.engine.drafter.calibration, q_main_first=0.3, q_siblings=0.3)
+    tree = _tree_of(llm, prompts[1], spec)
+    depth1 = (tree.parents[0] == 0).sum().item()
+    assert depth1 == 2, "every edge alike: the shallow nodes are worth more, both root children kept"
+    # The EAGLE-2 selection ignores what was measured.
+    eagle = _tree_of(llm, prompts[1], SpecConfig(5, 2, 6))
+    _taught(llm.engine.drafter.calibration, q_main_first=0.95, q_siblings=0.05)
+    assert _tree_of(llm, prompts[1], SpecConfig(5, 2, 6)).parents.tolist() == eagle.parents.tolist()
+
+
+def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
+    model = AcceptanceModel(decay=0.5)
+    # Root proposals 7 (p=0.6) and 8 (p=0.3); the target took 8 (rank 2). Below it, off
+    # the main line, proposals 4 and 5; the target's token 6 is neither.
+    children = torch.tensor([[[7, 8], [4, 5], [-1, -1]]])
+    logp = torch.tensor([[[0.6, 0.3], [0.45, 0.25], [0.0, 0.0]]], dtype=torch.float64).log()
+    targets = torch.tensor([[8, 6, -1]])
+    model.observe([3], [GREEDY], children, logp, targets)
+    h, t = model.requests[3]
+    b = model.bucket(torch.tensor([0.6, 0.3, 0.45, 0.25])).tolist()
+    assert t[0, 0, 0, b[0]] == 1 and h[0, 0, 0, b[0]] == 0          # main line, depth 1, rank 1: a miss
+    assert t[0, 0, 1, b[1]] == 1 and h[0, 0, 1, b[1]] == 1          # rank 2: the hit
+    assert t[1, 1, 0, b[2]] == 1 and t[1, 1, 1, b[3]] == 1 and h[1].sum() == 0   # off the line, depth 2
+    assert t.sum() == 4 and h.sum() == 1
+    log_q = model.log_acceptance([3], [GREEDY])
+    assert log_q.shape == (1, 2, MAX_DEPTH, model.R, len(model.edges) + 1) and (log_q <= 0).all()
+    model.forget(3)
+    assert 3 not in model.requests
