@@ -57,6 +57,11 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
+    # The ids that end this request (the engine's EOS and turn end unless ignore_eos, and
+    # its own stop_token_ids), and what ended it: the stop string or stop id, None for
+    # EOS or a length finish (vLLM's stop_reason).
+    stop_ids: frozenset[int] = frozenset()
+    stop_reason: str | int | None = None
     stats: RoundStats = field(default_factory=RoundStats)
     arrival: int = 0
     # Only when asked for (params.logprobs / prompt_logprobs): one {token_id: logprob} per
