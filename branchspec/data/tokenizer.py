@@ -157,6 +157,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode`` drops with ``skip_special_tokens`` (added special tokens)."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 

@@ -53,6 +53,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0          # decode steps and speculative rounds run over the batch
         self.num_spec_rounds = 0    # of them, speculative rounds
+        self.num_preemptions = 0    # requests put back to make room (recomputed later)
         # Wall time per phase (prefill, draft, plan, verify, ...), summed until reset.
         self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         # Unseeded requests draw their seeds from here: a fixed engine seed makes a whole run
@@ -232,6 +233,7 @@ class Engine:
                 if len(self.scheduler.running) == 1:
                     raise
                 victim = self.scheduler.preempt()
+                self.num_preemptions += 1
                 self._drop_state(victim)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> None:

@@ -99,6 +99,7 @@ class ModelRunner:
         last_logits: list[torch.Tensor | None] = [None] * len(seqs)
         prompt_lps = {i: [None] for i, s in enumerate(seqs)
                       if s.params.prompt_logprobs is not None and s.prompt_logprobs is None}
+        prompt_ranks = {i: [None] for i in prompt_lps}
         while active := [i for i in range(len(seqs)) if done[i] < ends[i]]:
             group = [seqs[i] for i in active]
             ids = [s.seq_id for s in group]
@@ -115,12 +116,12 @@ class ModelRunner:
             if follow:
                 self.drafter.follow(ids, L, tokens, out.hidden, counts, now=not defer)
             if prompt_lps:
-                self._collect_prompt_logprobs(seqs, active, done, counts, out.logits, prompt_lps)
+                self._collect_prompt_logprobs(seqs, active, done, counts, out.logits, prompt_lps, prompt_ranks)
             for j, (i, n) in enumerate(zip(active, counts)):
                 done[i] += n
                 last_logits[i] = out.logits[j, n - 1]
         for i, lps in prompt_lps.items():
-            seqs[i].prompt_logprobs = lps
+            seqs[i].prompt_logprobs, seqs[i].prompt_ranks = lps, prompt_ranks[i]
         firsts, first_lps = self._first_tokens(seqs, last_logits)
         return Prefilled(firsts, first_lps, last_logits, time.perf_counter() - t0)
 
@@ -148,9 +149,12 @@ class ModelRunner:
 
     @staticmethod
     def _collect_prompt_logprobs(seqs: list[Sequence], active: list[int], done: list[int], counts: list[int],
-                                 logits: torch.Tensor, prompt_lps: dict[int, list]) -> None:
+                                 logits: torch.Tensor, prompt_lps: dict[int, list], prompt_ranks: dict[int, list]
+                                 ) -> None:
         """Extend prompt_lps[i] with this chunk's prompt positions: logits [B, N, V] at
-        position p (of seqs[active[j]], chunk starting at done[i]) score prompt token p + 1."""
+        position p (of seqs[active[j]], chunk starting at done[i]) score prompt token p + 1.
+        prompt_ranks[i] gets each prompt token's vocabulary rank there (vLLM's: 1 + the
+        number of other tokens at least as likely)."""
         rows, targets, num_top, owners = [], [], [], []
         for j, (i, n) in enumerate(zip(active, counts)):
             if i not in prompt_lps:
@@ -166,10 +170,14 @@ class ModelRunner:
             owners.append((i, m))
         if not rows:
             return
-        dicts = logprob_dicts(torch.cat(rows), targets, num_top)
+        rows = torch.cat(rows)                                                    # [M, V]
+        dicts = logprob_dicts(rows, targets, num_top)
+        chosen = rows.gather(-1, torch.tensor(targets, device=rows.device)[:, None])   # [M, 1]
+        ranks = (rows >= chosen).sum(-1).tolist()
         start = 0
         for i, m in owners:
             prompt_lps[i].extend(dicts[start:start + m])
+            prompt_ranks[i].extend(ranks[start:start + m])
             start += m
 
     # -- one step -----------------------------------------------------------------------
