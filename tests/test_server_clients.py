@@ -13,6 +13,7 @@ speculative-decoding series, consistent with the rounds run; and each bad value 
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -258,6 +259,12 @@ def test_small_endpoints(server, offline):
     assert all("usage" in e and e["usage"] is None for e in evs[:-1])
     assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == 4
     assert all("usage" not in e for e in events(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
+    # vLLM's continuous_usage_stats (guidellm asks for it): each chunk's usage so far
+    evs = events(server, "/v1/completions", {"prompt": "hi", "max_tokens": 6, "ignore_eos": True,
+                                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    counts = [e["usage"]["completion_tokens"] for e in evs[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 6 and evs[-1]["usage"]["completion_tokens"] == 6
+    assert counts == list(itertools.accumulate(len(e["choices"][0]["token_ids"]) for e in evs[:-1]))
 
 
 def test_metrics_carry_vllms_spec_decode_series(server):
@@ -320,7 +327,7 @@ def test_bad_values_get_400_naming_the_param(server):
         ("/v1/completions", {**hi, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ("/v1/completions", {**hi, "guided_json": {}}, "guided_json"),
         ("/v1/completions", {**hi, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-         "continuous_usage_stats"),
+         "stream_options.continuous_usage_stats"),     # needs include_usage, as in vLLM
         ("/v1/completions", {**hi, "stream": True, "stream_options": {"shout": True}}, "stream_options.shout"),
         ("/v1/completions", {"prompt": [], "max_tokens": 0}, "prompt"),
         ("/v1/chat/completions", {**chat, "max_completion_tokens": MAX_LEN}, "max_completion_tokens"),

@@ -296,7 +296,7 @@ def create_app(state: ServerState) -> FastAPI:
                     logprobs, offsets[i] = responses.completion_logprobs(echoed + out.logprobs, offsets[i],
                                                                          req.logprobs)
             body = responses.chunk(req, rid, created, i, {"content": text} if chat else text, logprobs,
-                                   out.token_ids, out.finish_reason, out.stop_reason)
+                                   out.token_ids, out.finish_reason, out.stop_reason, out.completion_tokens)
             if out.final:
                 body["spec_stats"] = responses.spec_stats([out])
                 finals[i] = out

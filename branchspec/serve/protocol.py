@@ -45,6 +45,7 @@ class GenerationRequest:
     model: str
     echo: bool = False               # completions: the prompt (and its logprobs) before the output
     prompt_logprobs: int | None = None   # vLLM's extra: alternatives per prompt token to report
+    continuous_usage: bool = False   # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
     @property
     def n(self) -> int:
@@ -89,19 +90,26 @@ _UNSUPPORTED = {
 }
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): a last chunk with the usage; and vLLM's
+    usage so far on every chunk (which needs include_usage, as in vLLM)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad("stream_options", "is only allowed when stream is true")
     if not isinstance(options, dict):
         raise bad("stream_options", f"must be an object, got {what(options)}")
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
-            raise bad(f"stream_options.{key}", "is not an option this server knows (include_usage)")
-    only_default(options, "continuous_usage_stats", (False,), "usage comes in the last chunk only")
-    return get(options, "include_usage", lambda n, v: boolean("stream_options.include_usage", v), default=False)
+            raise bad(f"stream_options.{key}", "is not an option this server knows (include_usage, "
+                                               "continuous_usage_stats)")
+    include = get(options, "include_usage", lambda n, v: boolean("stream_options.include_usage", v), default=False)
+    continuous = get(options, "continuous_usage_stats",
+                     lambda n, v: boolean("stream_options.continuous_usage_stats", v), default=False)
+    if continuous and not include:
+        raise bad("stream_options.continuous_usage_stats", "needs stream_options.include_usage set to true")
+    return include, continuous
 
 
 _FIELD_RE = re.compile(r"SamplingParams\.(\w+(?:\[\d+\])?)")
@@ -140,13 +148,13 @@ def _sampling(body: dict, *, max_tokens: int, logprobs: int | None, prompt_logpr
         raise APIError(400, text, _param_of(str(e), None, {"max_tokens": max_param})) from None
 
 
-def _common(body: dict, info: ModelInfo) -> tuple[str, bool, bool]:
+def _common(body: dict, info: ModelInfo) -> tuple[str, bool, tuple[bool, bool]]:
     _model(body, info)
     stream = get(body, "stream", boolean, default=False)
-    include_usage = _stream_options(body, stream)
+    usage = _stream_options(body, stream)
     for name, (allowed, why) in _UNSUPPORTED.items():
         only_default(body, name, allowed, why)
-    return info.name, stream, include_usage
+    return info.name, stream, usage
 
 
 def _max_tokens(n: int, max_tokens: int | None, default: int | None, info: ModelInfo, prompt_param: str,
@@ -224,7 +232,7 @@ def _prompts(prompt, info: ModelInfo, add_bos: bool) -> list[tuple[list[int], st
 
 
 def parse_completion(body: dict, info: ModelInfo) -> GenerationRequest:
-    model, stream, include_usage = _common(body, info)
+    model, stream, (include_usage, continuous) = _common(body, info)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "is required")
     echo = get(body, "echo", boolean, default=False)
@@ -249,7 +257,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerationRequest:
             text = info.decode(ids)
         out.append(PromptInput(ids, text, params))
     return GenerationRequest("completions", out, stream, include_usage, logprobs, model, echo=echo,
-                             prompt_logprobs=prompt_lp)
+                             prompt_logprobs=prompt_lp, continuous_usage=continuous)
 
 
 # -- /v1/chat/completions -----------------------------------------------------------------
@@ -296,7 +304,7 @@ def _messages(body: dict) -> list[dict]:
 
 
 def parse_chat(body: dict, info: ModelInfo) -> GenerationRequest:
-    model, stream, include_usage = _common(body, info)
+    model, stream, (include_usage, continuous) = _common(body, info)
     for name in ("tools", "functions"):
         only_default(body, name, ([],), "no tools")
     for name in ("tool_choice", "function_call"):
@@ -328,7 +336,7 @@ def parse_chat(body: dict, info: ModelInfo) -> GenerationRequest:
                        logprobs=logprobs, prompt_logprobs=prompt_lp, max_param=name)
     _validate(info, ids, params, "messages", {"logprobs": "top_logprobs", "max_tokens": name})
     return GenerationRequest("chat", [PromptInput(ids, None, params)], stream, include_usage, logprobs, model,
-                             prompt_logprobs=prompt_lp)
+                             prompt_logprobs=prompt_lp, continuous_usage=continuous)
 
 
 # -- /tokenize and /detokenize (vLLM's) ---------------------------------------------------

@@ -89,14 +89,17 @@ def _object(req: GenerationRequest, chunk: bool) -> str:
 
 
 def chunk(req: GenerationRequest, rid: str, created: int, index: int, delta, logprobs, token_ids: list[int],
-          finish_reason: str | None, stop_reason=None) -> dict:
-    """One stream chunk of choice `index` (`delta`: the chat delta, or the completion text)."""
+          finish_reason: str | None, stop_reason=None, completion_tokens: int = 0) -> dict:
+    """One stream chunk of choice `index` (`delta`: the chat delta, or the completion text;
+    `completion_tokens`: the choice's tokens so far, for continuous usage)."""
     choice = {"index": index, ("delta" if req.endpoint == "chat" else "text"): delta, "logprobs": logprobs,
               "finish_reason": finish_reason, "token_ids": token_ids}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     body = {"id": rid, "object": _object(req, True), "created": created, "model": req.model, "choices": [choice]}
-    if req.include_usage:
+    if req.continuous_usage:        # vLLM: this choice's usage so far on every chunk
+        body["usage"] = usage(len(req.prompts[index // req.n].ids), completion_tokens)
+    elif req.include_usage:
         body["usage"] = None        # OpenAI: every chunk has it, null but in the last one
     return body
 
