@@ -237,9 +237,11 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerationRequest:
         raise bad("prompt", "is required")
     echo = get(body, "echo", boolean, default=False)
     add_bos = get(body, "add_special_tokens", boolean, default=True)
-    prompts = _prompts(body["prompt"], info, add_bos)
     n = get(body, "n", integer, 1, default=1)
-    _check_choices(len(prompts) * n, info, "n" if len(prompts) == 1 else "prompt")
+    raw = body["prompt"]
+    num_prompts = len(raw) if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else 1
+    _check_choices(num_prompts * n, info, "n" if num_prompts == 1 else "prompt")   # before any encoding
+    prompts = _prompts(raw, info, add_bos)
     logprobs = get(body, "logprobs", integer, 0, MAX_LOGPROBS)
     prompt_lp = _prompt_logprobs(body, stream)
     # The prompt's logprobs are computed once, for whichever of the two views asks more.
