@@ -68,6 +68,8 @@ def _generate(args) -> int:
     from branchspec.llm import LLM
 
     spec = _spec_from_args(args, args.parser)
+    if args.max_tokens is not None and args.max_tokens < 1:   # 0 only scores a prompt: nothing to print
+        args.parser.error(f"--max-tokens (SamplingParams.max_tokens) must be >= 1, got {args.max_tokens}")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)

@@ -24,20 +24,72 @@ DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini-v2"
 
 
 @dataclass
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+class CompletionOutput:
+    """One sample of a prompt (vLLM's CompletionOutput), with its speculative statistics."""
+
+    index: int                      # which of the request's n samples
     text: str
-    finish_reason: str
+    token_ids: list[int]
+    finish_reason: str              # "stop" or "length"
+    # What stopped it: the stop string, or the stop_token_ids id; None for EOS or a length finish.
+    stop_reason: str | int | None
     accept_length: float            # mean tokens per verify round (0.0 without speculation)
     num_rounds: int
     accepted_per_depth: list[int]   # rounds whose accepted path reached each draft depth
-    # vLLM's raw logprobs (log_softmax of the target's logits, float64, before temperature
-    # and top-p), None unless SamplingParams asked: one {token_id: logprob} per generated
-    # token (the chosen one and the top k), and per prompt token (None at position 0).
+    # vLLM's raw logprobs (log_softmax of the target's logits, float64, before any bias,
+    # penalty, temperature or cut), None unless SamplingParams asked: one {token_id: logprob}
+    # per generated token (the chosen one and the top k), and their sum.
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one prompt got (vLLM's RequestOutput): `outputs` holds its n samples, in order.
+
+    The first sample's fields are also read straight off the request (`out.text`,
+    `out.token_ids`, `out.finish_reason`, `out.accept_length`, ...), as before n existed.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    # per prompt token (None at position 0), when SamplingParams.prompt_logprobs asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt: str | None = None       # the prompt text, when it was given as text
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def accept_length(self) -> float:
+        return self.outputs[0].accept_length
+
+    @property
+    def num_rounds(self) -> int:
+        return self.outputs[0].num_rounds
+
+    @property
+    def accepted_per_depth(self) -> list[int]:
+        return self.outputs[0].accepted_per_depth
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
 
 
 @dataclass
@@ -232,7 +284,8 @@ class LLM:
         """
         prompts = self._prompt_list(prompts)
         encoded = [self.encode(p, name=f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(encoded, self._params_list(sampling_params, len(prompts)), spec, use_tqdm)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(encoded, self._params_list(sampling_params, len(prompts)), spec, use_tqdm, texts)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -254,7 +307,7 @@ class LLM:
         return self._run(encoded, self._params_list(sampling_params, len(batch)), spec, use_tqdm)
 
     def _run(self, encoded: list[list[int]], params_list: list[SamplingParams], spec: SpecConfig | AutoPolicy | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, texts: list[str | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
         policy = engine.policy(spec)
         for i, (ids, p) in enumerate(zip(encoded, params_list)):   # check all before running any
@@ -265,7 +318,9 @@ class LLM:
         steps_before = engine.num_steps
         choices_before = dict(policy.counts)
         policy_seconds_before = policy.decide_seconds
-        seqs = [engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
+        # n samples of a prompt are n requests of the batch (SamplingParams.choices).
+        groups = [[engine.add_request(ids, c) for c in p.choices()] for ids, p in zip(encoded, params_list)]
+        seqs = [s for group in groups for s in group]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -285,16 +340,8 @@ class LLM:
                                         if v - choices_before.get(k, 0) > 0}
         self.last_stats.policy_seconds = policy.decide_seconds - policy_seconds_before
         self.last_stats.policy = policy.name
-        return [self._output(s) for s in seqs]
-
-    @staticmethod
-    def _output(s: Sequence) -> RequestOutput:
-        return RequestOutput(request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids),
-                             text=s.output_text or "", finish_reason=s.finish_reason.value,
-                             accept_length=s.stats.accept_length, num_rounds=s.stats.num_rounds,
-                             accepted_per_depth=list(s.stats.accepted_per_depth),
-                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                             prompt_logprobs=list(s.prompt_logprobs) if s.prompt_logprobs is not None else None)
+        texts = texts or [None] * len(groups)
+        return [request_output(group, text) for group, text in zip(groups, texts)]
 
     @staticmethod
     def _stats(engine: Engine, seqs: list[Sequence], elapsed: float, num_steps: int) -> GenerateStats:
@@ -306,6 +353,26 @@ class LLM:
                              prefill_seconds=prefill, decode_seconds=max(elapsed - prefill, 0.0),
                              phase_seconds=phases, num_rounds=rounds, num_steps=num_steps,
                              accept_length=emitted / rounds if rounds else 0.0)
+
+
+def completion_output(index: int, s: Sequence) -> CompletionOutput:
+    """One finished request as sample `index` of its prompt."""
+    logprobs = list(s.logprobs) if s.logprobs is not None else None
+    return CompletionOutput(index=index, text=s.output_text or "", token_ids=list(s.output_ids),
+                            finish_reason=s.finish_reason.value, stop_reason=s.stop_reason,
+                            accept_length=s.stats.accept_length, num_rounds=s.stats.num_rounds,
+                            accepted_per_depth=list(s.stats.accepted_per_depth), logprobs=logprobs,
+                            cumulative_logprob=None if logprobs is None else
+                            sum(d[t] for d, t in zip(logprobs, s.output_ids)))
+
+
+def request_output(group: list[Sequence], prompt: str | None = None) -> RequestOutput:
+    """The n requests of one prompt (`SamplingParams.choices`, in order) as one output."""
+    first = group[0]
+    return RequestOutput(request_id=first.seq_id, prompt_token_ids=first.prompt_ids,
+                         outputs=[completion_output(i, s) for i, s in enumerate(group)],
+                         prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+                         prompt=prompt, finished=all(s.finished for s in group))
 
 
 def _check_messages(messages, name: str) -> None:

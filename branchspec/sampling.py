@@ -1,6 +1,8 @@
-"""Turning target logits into tokens (greedy, or temperature + top-p sampling) and into
-vLLM's logprob dicts. Every token the engine emits is drawn here: the first one from the
-prefill's logits, the rest from a decode step's or a verify pass's."""
+"""Turning target logits into tokens (greedy, or temperature, min-p, top-k and top-p
+sampling) and into vLLM's logprob dicts. Every token the engine emits is drawn here: the
+first one from the prefill's logits, the rest from a decode step's or a verify pass's.
+What a request's own rules (logit bias, min_tokens, penalties) do to the logits before
+that is `logits_process`."""
 
 from __future__ import annotations
 
@@ -17,25 +19,54 @@ class SamplingBatch:
     top_p: torch.Tensor                       # [B] float64
     generators: list[torch.Generator | None]  # [B] each request's own draws
     num_logprobs: list[int | None]            # [B] top-k logprobs asked for (None: none)
+    top_k: torch.Tensor | None = None         # [B] long, 0 = all tokens (None: 0 for every row)
+    min_p: torch.Tensor | None = None         # [B] float64 (None: 0 for every row)
+    # What each request's rules do to the logits first (`logits_process.LogitsRules`);
+    # None when no request of the batch has any.
+    rules: object | None = None
 
     def rows(self, index: list[int]) -> "SamplingBatch":
         """The same for the requests at `index`."""
+        pick = (lambda t: None if t is None else t[index])
         return SamplingBatch(self.temperature[index], self.top_p[index], [self.generators[i] for i in index],
-                             [self.num_logprobs[i] for i in index])
+                             [self.num_logprobs[i] for i in index], pick(self.top_k), pick(self.min_p),
+                             None if self.rules is None else self.rules.rows(index))
 
 
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits: [B, N, V]; temperature, top_p: [B] (temperature > 0) -> probabilities [B, N, V].
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                   top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [B, N, V]; temperature, top_p: [B] (temperature > 0); top_k: [B] long
+    (0 = all tokens), min_p: [B] -> probabilities [B, N, V].
 
-    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (the token
-    that crosses the threshold included), then renormalises.
+    vLLM v1's order, after the temperature: min-p drops tokens less likely than min_p
+    times the most likely one; top-k keeps the k most likely (ties with the k-th kept);
+    top-p then keeps the smallest set of most likely tokens whose mass, renormalised,
+    reaches top_p (the token that crosses the threshold included). The kept mass is
+    renormalised. A row's cut depends on that row alone.
     """
     probs = torch.softmax(logits.double() / temperature[:, None, None].double(), dim=-1)
-    if bool((top_p >= 1.0).all()):
-        return probs            # nothing to cut: skip the sort over the vocabulary
+    V = probs.shape[-1]
+    cut = torch.zeros(probs.shape[0], dtype=torch.bool, device=probs.device)             # [B] a cut made
+    if min_p is not None and bool((min_p > 0).any()):
+        min_p = min_p.to(probs.device, torch.float64)
+        floor = min_p[:, None, None] * probs.amax(-1, keepdim=True)                        # [B, N, 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+        cut |= min_p > 0
+    use_k = top_k is not None and bool((top_k > 0).any())
+    if not use_k and bool((top_p >= 1.0).all()):
+        # nothing else to cut: skip the sort over the vocabulary
+        return torch.where(cut[:, None, None], probs / probs.sum(-1, keepdim=True), probs)
     sorted_p, order = probs.sort(dim=-1, descending=True)
+    if use_k:
+        top_k = top_k.to(probs.device)
+        k = torch.where(top_k > 0, top_k.clamp(max=V), V)                                   # [B]
+        kth = sorted_p.gather(-1, (k - 1)[:, None, None].expand(-1, sorted_p.shape[1], 1))  # [B, N, 1]
+        sorted_p = sorted_p.masked_fill(sorted_p < kth, 0.0)
+        cut |= top_k > 0
+    # Renormalise before top-p only where something was cut (other rows keep their exact sums).
+    sorted_p = torch.where(cut[:, None, None], sorted_p / sorted_p.sum(-1, keepdim=True), sorted_p)
     mass_before = sorted_p.cumsum(-1) - sorted_p
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p[:, None, None].double(), 0.0)
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p[:, None, None].to(probs.device).double(), 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -51,7 +82,8 @@ def target_tokens(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor
     temperature, top_p = sampling.temperature.to(logits.device), sampling.top_p.to(logits.device)
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
-        probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled])   # [S, N, V]
+        probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled],   # [S, N, V]
+                               *(None if t is None else t[sampled] for t in (sampling.top_k, sampling.min_p)))
         # Inverse-CDF draws: one uniform per node from the request's own generator, then
         # one batched search (torch.multinomial per request costs ~1.5 ms a call here).
         # The first token whose cumulative mass exceeds u: never a zero-probability one.

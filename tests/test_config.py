@@ -309,10 +309,41 @@ def test_top_p_range(p):
         SamplingParams(top_p=p)
 
 
-@pytest.mark.parametrize("m, error", [(0, ValueError), (-4, ValueError), (1.5, TypeError), (True, TypeError)])
-def test_max_tokens_positive_int(m, error):
+@pytest.mark.parametrize("m, error", [(-1, ValueError), (-4, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_max_tokens_non_negative_int(m, error):
     with pytest.raises(error, match="max_tokens"):
         SamplingParams(max_tokens=m)
+    assert SamplingParams(max_tokens=0).max_tokens == 0     # scores the prompt, generates nothing
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    ({"top_k": -2}, ValueError, "top_k"), ({"top_k": 1.0}, TypeError, "top_k"),
+    ({"min_p": 1.5}, ValueError, "min_p"), ({"min_p": -0.1}, ValueError, "min_p"),
+    ({"min_tokens": -1}, ValueError, "min_tokens"), ({"min_tokens": 9, "max_tokens": 8}, ValueError, "min_tokens"),
+    ({"stop_token_ids": [1, -3]}, ValueError, r"stop_token_ids\[1\]"), ({"stop_token_ids": 5}, TypeError, "stop_token_ids"),
+    ({"stop_token_ids": [1.0]}, TypeError, r"stop_token_ids\[0\]"),
+    ({"n": 0}, ValueError, "n must"), ({"n": True}, TypeError, "n must"),
+    ({"presence_penalty": 2.5}, ValueError, "presence_penalty"),
+    ({"frequency_penalty": -3}, ValueError, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty"),
+    ({"logit_bias": {5: 101}}, ValueError, r"logit_bias\[5\]"), ({"logit_bias": {-1: 1}}, ValueError, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, TypeError, "logit_bias"), ({"logit_bias": 3}, TypeError, "logit_bias"),
+])
+def test_sampling_extras_refuse_bad_values_naming_them(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_extras_normalise():
+    p = SamplingParams(top_k=0, stop_token_ids=[5, 3, 5], logit_bias={7: 1, 2: -1.5}, n=3, seed=2**64 - 2)
+    assert (p.top_k, p.stop_token_ids, p.logit_bias) == (-1, (5, 3), ((2, -1.5), (7, 1.0)))
+    hash(p)                                             # hashable, as a frozen value should be
+    assert SamplingParams(temperature=1.0, top_k=1).greedy and not SamplingParams(temperature=1.0).greedy
+    # n samples: seed + i (mod 2**64), as vLLM; sample 0 is what n = 1 gives
+    assert [c.seed for c in p.choices()] == [2**64 - 2, 2**64 - 1, 0] and all(c.n == 1 for c in p.choices())
+    assert [c.seed for c in SamplingParams(n=2).choices()] == [None, None]
+    with pytest.raises(TypeError, match="best_of"):
+        SamplingParams(best_of=2)                       # what it does not implement it refuses
 
 
 @pytest.mark.parametrize("stop", ["", ["ok", ""], ("",)])

@@ -124,7 +124,7 @@ BAD_SAMPLING = [
     pytest.param(dict(top_p=0.0), ValueError, "top_p", id="top-p-zero"),
     pytest.param(dict(max_tokens=True), TypeError, "max_tokens", id="max-tokens-bool"),
     pytest.param(dict(max_tokens=2.0), TypeError, "max_tokens", id="max-tokens-float"),
-    pytest.param(dict(max_tokens=0), ValueError, "max_tokens", id="max-tokens-zero"),
+    pytest.param(dict(max_tokens=-1), ValueError, "max_tokens", id="max-tokens-negative"),   # 0: prompt only
     pytest.param(dict(seed=1.5), TypeError, "seed", id="seed-float"),
     pytest.param(dict(seed="7"), TypeError, "seed", id="seed-str"),
     pytest.param(dict(seed=True), TypeError, "seed", id="seed-bool"),

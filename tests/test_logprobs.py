@@ -272,9 +272,9 @@ def test_preemption_keeps_prompt_logprobs_single_and_correct(ckpt, spec):
             preempted.append(preempt())
             return preempted[-1]
 
-        def counting_collect(seqs, active, done, counts, logits, prompt_lps):
+        def counting_collect(seqs, active, done, counts, logits, prompt_lps, *ranks):
             before = {i: len(v) for i, v in prompt_lps.items()}
-            collect(seqs, active, done, counts, logits, prompt_lps)
+            collect(seqs, active, done, counts, logits, prompt_lps, *ranks)
             collected.extend(len(v) - before[i] for i, v in prompt_lps.items())
 
         engine.scheduler.preempt = counting_preempt

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchspec.data.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_chat
+from branchspec.data.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, jinja_chat_template, render_chat
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
 
 # A small mixed corpus (prose, arithmetic, code, non-Latin scripts, rendered chats), so
@@ -112,7 +112,8 @@ def test_chat_template(tok: Tokenizer) -> None:
 def test_save_load_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
     tok.save(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config["chat_template"] == CHAT_TEMPLATE and config["bos_token"] == "<|bos|>"
+    assert config["branchspec_chat_template"] == CHAT_TEMPLATE and config["bos_token"] == "<|bos|>"
+    assert config["chat_template"] == jinja_chat_template(CHAT_TEMPLATE) and config["add_bos_token"] is True
     loaded = Tokenizer.from_dir(tmp_path)
     assert loaded.vocab_size == tok.vocab_size and loaded.special_ids == tok.special_ids
     for text in ROUND_TRIP + [_CHAT]:
@@ -121,12 +122,17 @@ def test_save_load_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
     assert loaded.apply_chat_template(messages) == tok.apply_chat_template(messages)
 
     # The template travels with the checkpoint: an edited one is what gets loaded ...
-    config["chat_template"] = "<|{role}|>{content}<|end|>"
+    config["branchspec_chat_template"] = "<|{role}|>{content}<|end|>"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_dir(tmp_path).apply_chat_template(messages) == "<|user|>hi<|end|><|assistant|>"
-    # ... and one in a format we cannot render (HF's jinja) is refused, not printed raw.
-    config["chat_template_format"] = "jinja"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    # ... a folder from before branchspec_chat_template (its own under chat_template) still loads ...
+    old = {k: v for k, v in config.items() if k != "branchspec_chat_template"}
+    old["chat_template"] = "<|{role}|>{content}<|end|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(old))
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(messages) == "<|user|>hi<|end|><|assistant|>"
+    # ... and a Jinja template alone, which branchspec cannot render, is refused, not printed raw.
+    old["chat_template"], old["chat_template_format"] = config["chat_template"], "jinja"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(old))
     with pytest.raises(ValueError, match="chat_template_format"):
         Tokenizer.from_dir(tmp_path)
 

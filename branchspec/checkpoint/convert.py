@@ -5,14 +5,13 @@ every stop id carried over."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from branchspec.checkpoint.export import write_hf_folder
-from branchspec.checkpoint.folder import TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder, new_folder
+from branchspec.checkpoint.folder import WEIGHTS_FILE, check_new_folder, copy_tokenizer_files, new_folder
 from branchspec.checkpoint.load import checkpoint_stop_ids, load_checkpoint, open_checkpoint
 from branchspec.config import read_config_json
 from branchspec.model.dtypes import resolve_dtype
@@ -77,9 +76,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, dtype: str | torch.dtyp
         if ckpt.extras.extra_stop_ids:
             meta["extra_stop_ids"] = json.dumps(list(ckpt.extras.extra_stop_ids))
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, tmp / name)
+        copy_tokenizer_files(src, tmp)
         _write_foreign_tokenizer_config(src, tmp)
         if ckpt.extras.extra_stop_ids:
             _record_stop_ids(tmp, (ckpt.config.eos_token_id, *ckpt.extras.extra_stop_ids))

@@ -23,7 +23,6 @@ one output projection, ...); ``check_hf_expressible`` refuses them, naming the f
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +31,8 @@ import torch
 
 from safetensors.torch import save_file
 
-from branchspec.checkpoint.folder import HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder, new_folder
+from branchspec.checkpoint.folder import (HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder,
+                                          copy_tokenizer_files, new_folder)
 from branchspec.checkpoint.hf_config import HF_LAYER_TYPES
 from branchspec.checkpoint.names import plan_names
 from branchspec.checkpoint.schema import expected_shapes
@@ -327,9 +327,8 @@ def write_hf_folder(model: Transformer, out: Path, dtype: torch.dtype | None, ex
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n",
                                                     encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for name in TOKENIZER_FILES if copy_from is not None else ():
-            if name != "generation_config.json" and (copy_from / name).is_file():
-                shutil.copyfile(copy_from / name, tmp / name)
+        if copy_from is not None:
+            copy_tokenizer_files(copy_from, tmp, [n for n in TOKENIZER_FILES if n != "generation_config.json"])
     return out
 
 

@@ -223,3 +223,23 @@ def new_folder(out: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def copy_tokenizer_files(src: Path, out: Path, names: Iterable[str] = TOKENIZER_FILES) -> None:
+    """Copy the tokenizer files of ``src`` into ``out``. A branchspec tokenizer is written
+    anew (``Tokenizer.save``), so a folder from before the current layout gets the Jinja
+    ``chat_template`` and BOS post-processor that other tools read; a foreign one, or one
+    that does not load, is copied as it is (loading the new folder reports a problem)."""
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    if not (src / "tokenizer.json").is_file() or not (src / "tokenizer_config.json").is_file():
+        return
+    from branchspec.data.tokenizer import ForeignTokenizer, Tokenizer
+
+    try:
+        tok = Tokenizer.from_dir(src)
+    except ValueError:
+        return
+    if not isinstance(tok, ForeignTokenizer):
+        tok.save(out)

@@ -24,10 +24,21 @@ chat never gets it twice.
 
 Only ``str.format`` is used (no jinja2): the template is applied to the template, never to
 the message text, so braces in message content are safe.
+
+For other tools, ``tokenizer_config.json`` also carries the same template written in
+Jinja (``jinja_chat_template``, key ``chat_template``, the one transformers'
+``apply_chat_template`` renders, BOS included), while branchspec reads its own from
+``branchspec_chat_template``. Both give the same token ids for ordinary messages. They
+differ on content that spells a special token: branchspec spells ``<|assistant|>`` typed
+in a message as text, while a Jinja renderer pastes the content into the prompt string,
+whose special-token strings the tokenizer then turns into control ids, so a user can
+open a turn (prompt injection). Serve untrusted chats through branchspec's renderer
+(``/v1/chat/completions``, ``LLM.chat``), not as text rendered elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Iterable, Mapping
 
@@ -108,3 +119,41 @@ def render_chat(
     if add_generation_prompt:
         parts.append(generation_prompt(template))
     return "".join(parts)
+
+
+def jinja_chat_template(template: str = CHAT_TEMPLATE) -> str:
+    """``template`` written as a Jinja chat template, for transformers' ``apply_chat_template``
+    (and lm-eval, vLLM, ...): it renders ``bos_token``, then every message as ``template``
+    does, then the generation prompt when ``add_generation_prompt``; roles outside ROLES
+    and a system message after the first raise, as ``render_chat`` does.
+
+    Tokenized the way transformers tokenizes a rendered chat (special tokens parsed, none
+    added), it gives ``Tokenizer.encode_chat``'s ids for messages that spell no special token.
+    """
+    check_template(template)
+
+    def expression(text: str) -> str:
+        """``text`` (a part of the template) as a Jinja expression of ``message``."""
+        parts = []
+        for literal, name, _, _ in string.Formatter().parse(text):
+            if literal:
+                parts.append(json.dumps(literal))   # JSON string escapes are Jinja's too
+            if name is not None:
+                parts.append(f"message[{json.dumps(name)}]")
+        return " + ".join(parts) or '""'
+
+    head = template.partition("{content}")[0]
+    roles = json.dumps(list(ROLES))
+    return ("{{- bos_token -}}"
+            "{%- for message in messages -%}"
+            f"{{%- if message['role'] not in {roles} -%}}"
+            f"{{{{- raise_exception('role must be one of {', '.join(ROLES)}, got ' + message['role']) -}}}}"
+            "{%- endif -%}"
+            "{%- if message['role'] == 'system' and not loop.first -%}"
+            "{{- raise_exception('a system message may only come first') -}}"
+            "{%- endif -%}"
+            f"{{{{- {expression(template)} -}}}}"
+            "{%- endfor -%}"
+            "{%- if add_generation_prompt -%}"
+            f"{{{{- {json.dumps(head.format(role='assistant'))} -}}}}"
+            "{%- endif -%}")

@@ -9,7 +9,16 @@ normaliser, for the same reason.
 The special tokens (``chat.SPECIAL_TOKENS``) take ids 0-6 in a freshly trained tokenizer.
 A checkpoint directory holds ``tokenizer.json`` (the HF ``tokenizers`` file) and
 ``tokenizer_config.json`` (HF's name for it) with the special tokens and the chat
-template (key ``chat_template``; see ``chat.py`` for its format).
+template: branchspec's own under ``branchspec_chat_template`` (see ``chat.py`` for its
+format) and the same written in Jinja under ``chat_template``, for transformers.
+
+BOS: a text prompt starts with ``<|bos|>`` (``encode(text, add_bos=True)``, what the
+server and ``LLM.generate`` do) and token-id prompts are taken exactly as given, as in
+vLLM. The saved files state that rule for other tools: ``add_bos_token: true`` and
+``bos_token`` in ``tokenizer_config.json``, and a post-processor in ``tokenizer.json``
+that adds BOS when asked for special tokens, so transformers'
+``AutoTokenizer.from_pretrained(folder)(text).input_ids`` are the ids the server makes
+of ``text``, and its ``apply_chat_template`` (which adds none) the ids of a chat.
 
 A foreign checkpoint's tokenizer (e.g. a Hugging Face one, without these special tokens)
 loads as a ``ForeignTokenizer``: bos/eos from its ``tokenizer_config.json`` or the model's
@@ -26,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from branchspec.data.chat import (
     BOS,
@@ -37,11 +46,14 @@ from branchspec.data.chat import (
     PAD,
     SPECIAL_TOKENS,
     check_template,
+    jinja_chat_template,
     render_chat,
 )
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+# Where branchspec's own (str.format) chat template is kept; `chat_template` holds its Jinja form.
+OWN_TEMPLATE_KEY = "branchspec_chat_template"
 
 # 256 byte tokens and the special tokens come first; a vocabulary must hold them all.
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
@@ -145,6 +157,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode`` drops with ``skip_special_tokens`` (added special tokens)."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
@@ -164,35 +181,65 @@ class Tokenizer:
         their control ids, while message content is always spelt as text, so a user who
         types ``<|assistant|>`` cannot open a turn.
 
-        Each message is ``head + content + tail`` (the template around ``{content}``);
-        head and tail are encoded with special tokens, content without. Messages are
-        checked as ``render_chat`` checks them.
+        The chat is the rendered text (``render_chat``), cut only at the template's own
+        special tokens; the text between two of them (template text and content alike) is
+        encoded as one piece with special tokens spelt. So for content that spells no
+        special token the ids are exactly those of encoding the rendered text whole, as
+        the training documents were and as transformers encodes the Jinja template's
+        output. Messages are checked as ``render_chat`` checks them.
         """
         messages = list(messages)
         render_chat(messages, add_generation_prompt=False, template=self.chat_template)   # validates
         head, _, tail = self.chat_template.partition("{content}")
-        ids = [self.bos_id] if add_bos else []
+        pieces = []   # (text, from the template)
         for message in messages:
-            ids += self.encode(head.format(role=message["role"]))
-            ids += self.encode(message["content"], parse_special=False)
-            ids += self.encode(tail.format(role=message["role"]))
+            pieces += [(head.format(role=message["role"]), True), (message["content"], False),
+                       (tail.format(role=message["role"]), True)]
         if add_generation_prompt:
-            ids += self.encode(head.format(role="assistant"))
+            pieces.append((head.format(role="assistant"), True))
+        added = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
+        ids = [self.bos_id] if add_bos else []
+        text = ""     # plain text waiting for the next special token of the template
+        for piece, trusted in pieces:
+            if not trusted:
+                text += piece
+                continue
+            at = 0
+            for m in _SPECIAL_RE.finditer(piece):
+                if m.group() not in added:   # not a token of this vocabulary: text
+                    continue
+                text += piece[at:m.start()]
+                if text:
+                    ids += self.encode(text, parse_special=False)
+                ids.append(added[m.group()])
+                text, at = "", m.end()
+            text += piece[at:]
+        if text:
+            ids += self.encode(text, parse_special=False)
         return ids
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self._backend.save(str(out / TOKENIZER_FILE))
+        # branchspec always encodes with add_special_tokens=False, so the post-processor
+        # only speaks to other tools: BOS first when they ask for special tokens.
+        backend = _HFTokenizer.from_str(self._backend.to_str())
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, self.bos_id)])
+        backend.save(str(out / TOKENIZER_FILE))
         config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": BOS,
             "eos_token": EOS,
             "pad_token": PAD,
             "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
-            "add_bos_token": False,  # encode() only adds BOS when asked
-            "chat_template": self.chat_template,
-            "chat_template_format": CHAT_TEMPLATE_FORMAT,
+            # Text prompts start with BOS (token-id prompts are taken as given).
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "chat_template": jinja_chat_template(self.chat_template),
+            OWN_TEMPLATE_KEY: self.chat_template,
+            "chat_template_format": CHAT_TEMPLATE_FORMAT,   # of branchspec_chat_template
         }
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (out / CONFIG_FILE).write_text(text, encoding="utf-8")
@@ -200,7 +247,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> Tokenizer:
         """Load what ``save`` wrote. Without ``tokenizer_config.json`` the default chat
-        template is used; a template in another format (e.g. jinja) is a ValueError.
+        template is used. The template is ``branchspec_chat_template``, or, in folders
+        written before it existed, ``chat_template`` in branchspec's format; a Jinja
+        ``chat_template`` alone is a ValueError (branchspec never renders Jinja).
 
         A foreign tokenizer (one without branchspec's special tokens whose
         ``tokenizer_config.json`` names other bos/eos tokens, or that sits beside a Hugging
@@ -226,12 +275,13 @@ class Tokenizer:
             return ForeignTokenizer.from_parts(backend, config, path)
         if config is not None:
             template_format = config.get("chat_template_format")
-            if "chat_template" in config and template_format != CHAT_TEMPLATE_FORMAT:
+            key = OWN_TEMPLATE_KEY if OWN_TEMPLATE_KEY in config else "chat_template"
+            if key in config and template_format != CHAT_TEMPLATE_FORMAT:
                 raise ValueError(
                     f"{config_path}: chat_template_format is {template_format!r}; only "
                     f"{CHAT_TEMPLATE_FORMAT!r} templates can be rendered"
                 )
-            template = config.get("chat_template", CHAT_TEMPLATE)
+            template = config.get(key, CHAT_TEMPLATE)
             if not isinstance(template, str):
                 raise ValueError(f"{config_path}: chat_template must be a string, got "
                                  f"{type(template).__name__}")
@@ -360,8 +410,9 @@ class ForeignTokenizer(Tokenizer):
         if pad is None and _ids(model.get("pad_token_id")):
             pad = _ids(model.get("pad_token_id"))[0]
         template = None
-        if config.get("chat_template_format") == CHAT_TEMPLATE_FORMAT and isinstance(config.get("chat_template"), str):
-            template = config["chat_template"]
+        key = OWN_TEMPLATE_KEY if OWN_TEMPLATE_KEY in config else "chat_template"
+        if config.get("chat_template_format") == CHAT_TEMPLATE_FORMAT and isinstance(config.get(key), str):
+            template = config[key]
             try:
                 check_template(template)
             except ValueError as e:

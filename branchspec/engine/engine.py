@@ -56,6 +56,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0          # decode steps and speculative rounds run over the batch
         self.num_spec_rounds = 0    # of them, speculative rounds
+        self.num_preemptions = 0    # requests put back to make room (recomputed later)
         # Wall time per phase (prefill, draft, plan, verify, ...), summed until reset.
         self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         # Unseeded requests draw their seeds from here: a fixed engine seed makes a whole run
@@ -104,6 +105,12 @@ class Engine:
             if k is not None and k > V:
                 raise ValueError(f"SamplingParams.{param}={k} for {name} exceeds the model's vocabulary of "
                                  f"{V} tokens; use {param} <= {V}")
+        for param, ids in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= V]
+            if bad:
+                raise ValueError(f"SamplingParams.{param} for {name} has token ids outside the vocabulary "
+                                 f"[0, {V}): {bad[:5]}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_len:
             raise ValueError(f"{name} of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds "
@@ -114,11 +121,18 @@ class Engine:
                              f"{ {n: p.num_pages for n, p in self.cache.pools.items()} }); raise num_pages")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue one single-sample request (params.n == 1: expand n with `params.choices()`)."""
         self.validate(prompt_ids, params)
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: the engine runs one sample per request; add "
+                             "each of params.choices() (LLM.generate does)")
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.stop_token_ids
         seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-                       generator=torch.Generator().manual_seed(seed))
+                       generator=torch.Generator().manual_seed(seed), stop_ids=stop_ids)
         seq.arrival = seq.seq_id
         self.scheduler.add(seq)
         return seq
@@ -196,6 +210,11 @@ class Engine:
         done = []
         for seq, first, lps in zip(admitted, out.first_ids, out.first_logprobs):
             seq.num_committed = len(seq.token_ids) - (1 if seq.output_ids else 0)
+            if seq.params.max_tokens == 0:     # it only scored its prompt
+                seq.finish_reason = FinishReason.LENGTH
+                self._release(seq)
+                done.append(seq)
+                continue
             if first is None:     # recomputed after preemption: its root is already there
                 continue
             self._append(seq, [first], lps)
@@ -220,23 +239,35 @@ class Engine:
                 if len(self.scheduler.running) == 1:
                     raise
                 victim = self.scheduler.preempt()
+                self.num_preemptions += 1
                 self._drop_state(victim)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> None:
-        """Add emitted tokens (with their logprob dicts, when asked for) up to the first stop."""
+        """Add emitted tokens (with their logprob dicts, when asked for) up to the first stop.
+
+        A stop id ends the output, kept in output_ids but not in the text (vLLM v1). Stop
+        strings are looked for once min_tokens tokens are out, and never cut into their
+        text. (No stop id comes before min_tokens: the sampler bans them.)
+        """
+        params = seq.params
         for i, t in enumerate(tokens):
             seq.output_ids.append(t)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
-            if t in self.stop_token_ids and not seq.params.ignore_eos:
+            if t in seq.stop_ids and len(seq.output_ids) > params.min_tokens:
                 seq.finish_reason = FinishReason.STOP
+                seq.stop_reason = t if t in params.stop_token_ids else None
+                if self.decode is not None:
+                    seq.output_text = self.decode(seq.output_ids[:-1])
                 return
-            if seq.params.stop and self.decode is not None:
+            if params.stop and self.decode is not None and len(seq.output_ids) >= params.min_tokens:
                 text = self.decode(seq.output_ids)
-                hits = [text.find(s) for s in seq.params.stop if s in text]
+                start = len(self.decode(seq.output_ids[:params.min_tokens])) if params.min_tokens else 0
+                hits = sorted((at, s) for s in params.stop if (at := text.find(s, start)) >= 0)
                 if hits:
-                    seq.output_text = text[: min(hits)]
+                    seq.output_text = text[: hits[0][0]]
                     seq.finish_reason = FinishReason.STOP
+                    seq.stop_reason = hits[0][1]
                     return
             if seq.num_remaining <= 0:
                 seq.finish_reason = FinishReason.LENGTH

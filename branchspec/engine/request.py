@@ -22,12 +22,14 @@ class RoundStats:
 
     num_rounds: int = 0
     num_emitted: int = 0                                   # tokens emitted by verify rounds
+    num_drafted: int = 0                                   # draft tokens verified (D - 1 a round)
     accepted_per_depth: list[int] = field(default_factory=list)   # [depth-1] -> accepted count
 
     def record(self, path_len: int, num_draft_tokens: int) -> None:
         """One verify round that accepted path_len nodes (root included) of a budget of D."""
         self.num_rounds += 1
         self.num_emitted += path_len
+        self.num_drafted += num_draft_tokens - 1
         hits = self.accepted_per_depth
         if len(hits) < num_draft_tokens - 1:
             hits.extend([0] * (num_draft_tokens - 1 - len(hits)))
@@ -57,6 +59,11 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
+    # The ids that end this request (the engine's EOS and turn end unless ignore_eos, and
+    # its own stop_token_ids), and what ended it: the stop string or stop id, None for
+    # EOS or a length finish (vLLM's stop_reason).
+    stop_ids: frozenset[int] = frozenset()
+    stop_reason: str | int | None = None
     stats: RoundStats = field(default_factory=RoundStats)
     arrival: int = 0
     # Only when asked for (params.logprobs / prompt_logprobs): one {token_id: logprob} per
@@ -64,6 +71,7 @@ class Sequence:
     # once by the first prefill (a recompute after preemption keeps them).
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None           # each prompt token's rank (None at 0)
 
     def forget_state(self) -> None:
         """Drop everything derived from cached state (preemption, a failed round): the

@@ -18,6 +18,7 @@ from branchspec.config import SpecConfig
 from branchspec.engine.request import Sequence
 from branchspec.execution import Executor
 from branchspec.execution.timing import PhaseClock
+from branchspec.logits_process import LogitsRules, NodePaths, process_logits
 from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.sampling import SamplingBatch, emitted_logprobs, logprob_dicts, target_tokens
@@ -49,14 +50,25 @@ class ModelRunner:
     def _lengths(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.num_committed for s in seqs], dtype=torch.long, device=self.device)
 
-    @staticmethod
-    def sampling(seqs: list[Sequence]) -> SamplingBatch:
-        """Each request's temperature [B] (0 = greedy), top-p [B], generator and logprobs."""
-        return SamplingBatch(temperature=torch.tensor([s.params.sampling_temperature for s in seqs],
-                                                      dtype=torch.float64),
-                             top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64),
+    def sampling(self, seqs: list[Sequence]) -> SamplingBatch:
+        """Each request's temperature [B] (0 = greedy), top-p, top-k and min-p [B], generator,
+        logprobs, and the rules its logits go through first (`logits_process`)."""
+        params = [s.params for s in seqs]
+        rules = LogitsRules.build(
+            self.cfg.vocab_size, num_output=[len(s.output_ids) for s in seqs],
+            logit_bias=[p.logit_bias for p in params], min_tokens=[p.min_tokens for p in params],
+            stop_ids=[s.stop_ids for s in seqs],
+            penalties=[(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params],
+            output_ids=[s.output_ids for s in seqs], prompt_ids=[s.prompt_ids for s in seqs])
+        top_k = [max(p.top_k, 0) for p in params]
+        min_p = [p.min_p for p in params]
+        return SamplingBatch(temperature=torch.tensor([p.sampling_temperature for p in params], dtype=torch.float64),
+                             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
                              generators=[s.generator for s in seqs],
-                             num_logprobs=[s.params.logprobs for s in seqs])
+                             num_logprobs=[p.logprobs for p in params],
+                             top_k=torch.tensor(top_k, dtype=torch.long) if any(top_k) else None,
+                             min_p=torch.tensor(min_p, dtype=torch.float64) if any(min_p) else None,
+                             rules=rules)
 
     def batch(self, seqs: list[Sequence]) -> RoundBatch:
         return RoundBatch(seq_ids=[s.seq_id for s in seqs], lengths=self._lengths(seqs),
@@ -87,6 +99,7 @@ class ModelRunner:
         last_logits: list[torch.Tensor | None] = [None] * len(seqs)
         prompt_lps = {i: [None] for i, s in enumerate(seqs)
                       if s.params.prompt_logprobs is not None and s.prompt_logprobs is None}
+        prompt_ranks = {i: [None] for i in prompt_lps}
         while active := [i for i in range(len(seqs)) if done[i] < ends[i]]:
             group = [seqs[i] for i in active]
             ids = [s.seq_id for s in group]
@@ -103,27 +116,28 @@ class ModelRunner:
             if follow:
                 self.drafter.follow(ids, L, tokens, out.hidden, counts, now=not defer)
             if prompt_lps:
-                self._collect_prompt_logprobs(seqs, active, done, counts, out.logits, prompt_lps)
+                self._collect_prompt_logprobs(seqs, active, done, counts, out.logits, prompt_lps, prompt_ranks)
             for j, (i, n) in enumerate(zip(active, counts)):
                 done[i] += n
                 last_logits[i] = out.logits[j, n - 1]
         for i, lps in prompt_lps.items():
-            seqs[i].prompt_logprobs = lps
+            seqs[i].prompt_logprobs, seqs[i].prompt_ranks = lps, prompt_ranks[i]
         firsts, first_lps = self._first_tokens(seqs, last_logits)
         return Prefilled(firsts, first_lps, last_logits, time.perf_counter() - t0)
 
     def _first_tokens(self, seqs: list[Sequence], logits: list[torch.Tensor | None]
                       ) -> tuple[list[int | None], list[list[dict[int, float]] | None]]:
         """Sample each new request's first output token from its prompt's last logits [V]
-        (recomputed requests already have their root: None)."""
-        fresh = [i for i, s in enumerate(seqs) if not s.output_ids]
+        (recomputed requests already have their root, and max_tokens 0 asks for none: None)."""
+        fresh = [i for i, s in enumerate(seqs) if not s.output_ids and s.params.max_tokens > 0]
         firsts: list[int | None] = [None] * len(seqs)
         lps: list[list[dict[int, float]] | None] = [None] * len(seqs)
         if not fresh:
             return firsts, lps
         rows = torch.stack([logits[i] for i in fresh])                       # [F, V]
         sampling = self.sampling([seqs[i] for i in fresh])
-        drawn = target_tokens(rows[:, None], sampling)[:, 0].tolist()
+        drawn = target_tokens(process_logits(rows[:, None], sampling.rules, NodePaths.single(len(fresh))),
+                              sampling)[:, 0].tolist()
         for i, t in zip(fresh, drawn):
             firsts[i] = t
         want = [r for r, i in enumerate(fresh) if seqs[i].params.logprobs is not None]
@@ -135,9 +149,12 @@ class ModelRunner:
 
     @staticmethod
     def _collect_prompt_logprobs(seqs: list[Sequence], active: list[int], done: list[int], counts: list[int],
-                                 logits: torch.Tensor, prompt_lps: dict[int, list]) -> None:
+                                 logits: torch.Tensor, prompt_lps: dict[int, list], prompt_ranks: dict[int, list]
+                                 ) -> None:
         """Extend prompt_lps[i] with this chunk's prompt positions: logits [B, N, V] at
-        position p (of seqs[active[j]], chunk starting at done[i]) score prompt token p + 1."""
+        position p (of seqs[active[j]], chunk starting at done[i]) score prompt token p + 1.
+        prompt_ranks[i] gets each prompt token's vocabulary rank there (vLLM's: 1 + the
+        number of other tokens at least as likely)."""
         rows, targets, num_top, owners = [], [], [], []
         for j, (i, n) in enumerate(zip(active, counts)):
             if i not in prompt_lps:
@@ -153,10 +170,14 @@ class ModelRunner:
             owners.append((i, m))
         if not rows:
             return
-        dicts = logprob_dicts(torch.cat(rows), targets, num_top)
+        rows = torch.cat(rows)                                                    # [M, V]
+        dicts = logprob_dicts(rows, targets, num_top)
+        chosen = rows.gather(-1, torch.tensor(targets, device=rows.device)[:, None])   # [M, 1]
+        ranks = (rows >= chosen).sum(-1).tolist()
         start = 0
         for i, m in owners:
             prompt_lps[i].extend(dicts[start:start + m])
+            prompt_ranks[i].extend(ranks[start:start + m])
             start += m
 
     # -- one step -----------------------------------------------------------------------
@@ -179,7 +200,8 @@ class ModelRunner:
         clock.lap("verify")
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         clock.lap("commit")
-        emitted = [[t] for t in target_tokens(out.logits, batch.sampling)[:, 0].tolist()]
+        logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
+        emitted = [[t] for t in target_tokens(logits, batch.sampling)[:, 0].tolist()]
         if follow:
             self.drafter.follow(ids, L, roots, out.hidden, [1] * batch.size, now=False)
         nodes = torch.zeros(batch.size, 1, dtype=torch.long)

@@ -21,10 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+import branchspec
 from branchspec.config import SpecConfig
-from branchspec.serve import protocol
+from branchspec.serve import protocol, responses
+from branchspec.serve.fields import APIError, error_body
 from branchspec.serve.metrics import ServerMetrics
-from branchspec.serve.protocol import APIError, GenerationRequest
+from branchspec.serve.protocol import GenerationRequest
 from branchspec.serve.textstream import TokenPieces
 from branchspec.serve.worker import EngineWorker, Job, Output
 
@@ -50,7 +52,7 @@ class ServerState:
         self.in_flight = 0          # accepted and unfinished (event loop only)
         self.draining = False
         self.metrics = ServerMetrics({n: p.num_pages for n, p in self.engine.cache.pools.items()},
-                                     self.policy.max_draft_tokens)
+                                     self.policy.max_draft_tokens, self.engine.max_len)
         # The tokenizer is encoded from the event loop and decoded in the engine thread;
         # its backend keeps a per-call flag, so calls take turns.
         tok = llm.tokenizer
@@ -61,12 +63,14 @@ class ServerState:
             self.engine.decode = decode   # the engine decodes for stop strings and final text
         self.info = protocol.ModelInfo(
             name=self.model_name, max_len=self.engine.max_len,
-            encode_text=None if tok is None else self._locked(lambda text: tok.encode(text, add_bos=True)),
+            # Text prompts start with BOS (token ids are taken as given), as tokenizer_config.json says.
+            encode_text=None if tok is None else self._locked(lambda text, bos=True: tok.encode(text, add_bos=bos)),
             encode_chat=None if tok is None else self._locked(
-                lambda messages: tok.encode_chat(messages, add_generation_prompt=True)),
-            validate=self.engine.validate)   # reads only the engine's fixed sizes
-        self.worker = EngineWorker(self.engine, spec, self.metrics, decode=decode,
-                                   token_piece=self._locked(TokenPieces(tok)))
+                lambda messages, prompt=True: tok.encode_chat(messages, add_generation_prompt=prompt)),
+            decode=decode, validate=self.engine.validate,   # reads only the engine's fixed sizes
+            max_choices=self.max_running + self.max_queued)
+        self.token_piece = self._locked(TokenPieces(tok))
+        self.worker = EngineWorker(self.engine, spec, self.metrics, decode=decode, token_piece=self.token_piece)
 
     def _locked(self, fn):
         def call(*args):
@@ -114,19 +118,27 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:   # unknown route, wrong method
-        return JSONResponse(protocol.error_body(str(exc.detail), "invalid_request_error"),
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
                             status_code=exc.status_code, headers=exc.headers)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request) -> Response:
         if not state.worker.alive or state.draining:
-            return JSONResponse({"status": "shutting down" if state.draining else "engine stopped"},
-                                status_code=503)
-        return JSONResponse({"status": "ok"})
+            status = {"status": "shutting down" if state.draining else "engine stopped"}
+            return JSONResponse(status, status_code=503) if request.method == "GET" else Response(status_code=503)
+        return JSONResponse({"status": "ok"}) if request.method == "GET" else Response(status_code=200)
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": branchspec.__version__})
+
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "branchspec",
+                "root": str(state.llm.path), "parent": None, "max_model_len": state.engine.max_len}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -134,9 +146,38 @@ def create_app(state: ServerState) -> FastAPI:
             check_key(request)
         except APIError as e:
             return error(e)
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "branchspec",
-            "max_model_len": state.engine.max_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        try:
+            check_key(request)
+            if model_id != state.model_name:
+                raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                                    f"{state.model_name!r}", "model", code="model_not_found")
+        except APIError as e:
+            return error(e)
+        return JSONResponse(model_card())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            check_key(request)
+            req = protocol.parse_tokenize(await read_json(request), state.info)
+        except APIError as e:
+            return error(e)
+        strs = [state.token_piece(t)[0] for t in req.ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(req.ids), "max_model_len": state.engine.max_len, "tokens": req.ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            check_key(request)
+            ids = protocol.parse_detokenize(await read_json(request), state.info, state.engine.cfg.vocab_size)
+        except APIError as e:
+            return error(e)
+        return JSONResponse({"prompt": state.info.decode(ids)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -153,7 +194,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                                status_label="rejected")
             req = parse(await read_json(request), state.info)
-            if state.in_flight >= state.max_running + state.max_queued:
+            if state.in_flight + req.num_choices > state.max_running + state.max_queued:
                 raise APIError(503, f"the queue is full ({state.max_running} running and {state.max_queued} "
                                     "queued requests); retry later", type="server_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}, status_label="rejected")
@@ -163,20 +204,30 @@ def create_app(state: ServerState) -> FastAPI:
             log.exception("bad request handling")
             return error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
                                   status_label="error"))
-        job = Job(req.prompt_ids, req.params, stream=req.stream, logprobs=req.logprobs is not None,
-                  loop=asyncio.get_running_loop())
-        state.in_flight += 1
-        state.worker.submit(job)
+        metrics.request_n.observe(req.n)
+        # One engine request per sample: prompt i's sample j is choice i * n + j.
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(prompt.ids, params, stream=req.stream, logprobs=req.logprobs is not None, loop=loop,
+                    outputs=outputs, index=i * req.n + j)
+                for i, prompt in enumerate(req.prompts) for j, params in enumerate(prompt.params.choices())]
+        state.in_flight += len(jobs)
+        for job in jobs:
+            state.worker.submit(job)
         rid = ("chatcmpl-" if req.endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
-        if req.stream:
-            def closed() -> None:   # however the response ended: a client gone mid-stream aborts
+
+        def abort_rest() -> None:   # however the response ended, what has not finished is aborted
+            for job in jobs:
                 if not job.counted:
                     state.worker.abort(job)
                     done(job, "abort")
 
-            return _EventStream(stream(job, req, rid), closed, media_type="text/event-stream",
+        if req.stream:
+            return _EventStream(stream(jobs, req, rid), abort_rest, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await complete(request, job, req, rid)
+        try:
+            return await complete(request, jobs, req, rid)
+        finally:
+            abort_rest()
 
     def done(job: Job, status: str) -> None:
         if job.counted:
@@ -188,59 +239,72 @@ def create_app(state: ServerState) -> FastAPI:
     def status_of(out: Output) -> str:
         return "error" if out.error else "cancelled" if out.cancelled else out.finish_reason
 
-    async def complete(request: Request, job: Job, req: GenerationRequest, rid: str) -> Response:
-        """Wait for the whole answer; a client that goes away aborts the request."""
-        result = asyncio.ensure_future(job.outputs.get())
+    async def complete(request: Request, jobs: list[Job], req: GenerationRequest, rid: str) -> Response:
+        """Wait for every sample's answer; a client that goes away aborts them all."""
+        finals: dict[int, Output] = {}
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+            while len(finals) < len(jobs):
+                result = asyncio.ensure_future(jobs[0].outputs.get())
+                await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not result.done():
+                    result.cancel()
+                    return Response(status_code=499)
+                out = result.result()
+                finals[out.index] = out
+                done(jobs[out.index], status_of(out))
+                if out.error or out.cancelled:
+                    break
         finally:
-            if not result.done():
-                result.cancel()
-                state.worker.abort(job)
-                done(job, "abort")
             gone.cancel()
-        if not result.done() or result.cancelled():
-            return Response(status_code=499)
-        out = result.result()
-        done(job, status_of(out))
-        if out.error:
-            return JSONResponse(protocol.error_body(f"the request failed: {out.error}", "server_error"),
-                                status_code=500)
-        if out.cancelled:
-            return JSONResponse(protocol.error_body("the server is shutting down; the request was cancelled "
-                                                    f"after {out.completion_tokens} tokens", "server_error",
-                                                    code="shutting_down"), status_code=503)
-        return JSONResponse(response_body(req, rid, out))
+        failed = [o for o in finals.values() if o.error]
+        if failed:
+            return JSONResponse(error_body(f"the request failed: {failed[0].error}", "server_error"), status_code=500)
+        if any(o.cancelled for o in finals.values()):
+            return JSONResponse(error_body("the server is shutting down; the request was cancelled after "
+                                           f"{sum(o.completion_tokens for o in finals.values())} tokens",
+                                           "server_error", code="shutting_down"), status_code=503)
+        return JSONResponse(responses.response_body(req, rid, [finals[i] for i in range(len(jobs))]))
 
-    async def stream(job: Job, req: GenerationRequest, rid: str) -> AsyncIterator[str]:
+    async def stream(jobs: list[Job], req: GenerationRequest, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         chat = req.endpoint == "chat"
-        offset = 0
+        offsets = [0] * len(jobs)          # text offset of each choice's next logprob
+        started = [False] * len(jobs)      # its first chunk went out (the echo goes with it)
+        finals: dict[int, Output] = {}
         if chat:
-            yield sse(chunk(req, rid, created, {"role": "assistant", "content": ""}, None, [], None))
-        while True:
-            out = await job.outputs.get()
+            for job in jobs:
+                yield sse(responses.chunk(req, rid, created, job.index, {"role": "assistant", "content": ""},
+                                          None, [], None))
+        while len(finals) < len(jobs):
+            out = await jobs[0].outputs.get()
+            i = out.index
             if out.error:
-                done(job, "error")
-                yield sse(protocol.error_body(f"the request failed: {out.error}", "server_error"))
+                done(jobs[i], "error")
+                yield sse(error_body(f"the request failed: {out.error}", "server_error"))
                 break
-            logprobs = None
+            text, logprobs = out.text, None
+            echoed = []
+            if req.echo and not started[i]:
+                text = (req.prompts[i // req.n].text or "") + text
+                echoed = out.prompt_logprobs or []
+            started[i] = True
             if out.logprobs is not None:
-                logprobs = (protocol.chat_logprobs(out.logprobs, req.logprobs) if chat
-                            else protocol.completion_logprobs(out.logprobs, offset))
-                offset += sum(len(t.token) for t in out.logprobs)
-            body = chunk(req, rid, created, {"content": out.text} if chat else out.text, logprobs,
-                         out.token_ids, out.finish_reason)
+                if chat:
+                    logprobs = responses.chat_logprobs(out.logprobs, req.logprobs)
+                else:
+                    logprobs, offsets[i] = responses.completion_logprobs(echoed + out.logprobs, offsets[i],
+                                                                         req.logprobs)
+            body = responses.chunk(req, rid, created, i, {"content": text} if chat else text, logprobs,
+                                   out.token_ids, out.finish_reason, out.stop_reason, out.completion_tokens)
             if out.final:
-                body["spec_stats"] = protocol.spec_stats(out.accept_length, out.num_rounds)
+                body["spec_stats"] = responses.spec_stats([out])
+                finals[i] = out
+                done(jobs[i], status_of(out))
             yield sse(body)
-            if out.final:
-                done(job, status_of(out))
-                if req.include_usage:
-                    yield sse({"id": rid, "object": body["object"], "created": created, "model": req.model,
-                               "choices": [], "usage": protocol.usage(out.prompt_tokens, out.completion_tokens)})
-                break
+        else:
+            if req.include_usage:
+                yield sse(responses.usage_chunk(req, rid, created, list(finals.values())))
         yield "data: [DONE]\n\n"
 
     return app
@@ -285,32 +349,3 @@ async def wait_disconnect(request: Request) -> None:
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def chunk(req: GenerationRequest, rid: str, created: int, delta, logprobs, token_ids: list[int],
-          finish_reason: str | None) -> dict:
-    if req.endpoint == "chat":
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        kind = "text_completion"
-    choice["token_ids"] = token_ids
-    return {"id": rid, "object": kind, "created": created, "model": req.model, "choices": [choice]}
-
-
-def response_body(req: GenerationRequest, rid: str, out: Output) -> dict:
-    choice: dict = {"index": 0}
-    if req.endpoint == "chat":
-        kind = "chat.completion"
-        choice["message"] = {"role": "assistant", "content": out.text}
-        choice["logprobs"] = None if out.logprobs is None else protocol.chat_logprobs(out.logprobs, req.logprobs)
-    else:
-        kind = "text_completion"
-        choice["text"] = out.text
-        choice["logprobs"] = None if out.logprobs is None else protocol.completion_logprobs(out.logprobs, 0)
-    choice["finish_reason"] = out.finish_reason
-    choice["token_ids"] = out.token_ids
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice],
-            "usage": protocol.usage(out.prompt_tokens, out.completion_tokens),
-            "spec_stats": protocol.spec_stats(out.accept_length, out.num_rounds)}

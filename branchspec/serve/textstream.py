@@ -62,27 +62,33 @@ _BYTES_OF_CHAR = _byte_table()
 
 
 class TokenPieces:
-    """Each token's own text and bytes, for logprobs ({"token", "bytes"}), memoised.
+    """Each token's own text and bytes, for logprobs ({"token", "bytes"}), memoised, and
+    whether it is a special token (which the output text never holds).
 
     A byte-level token may hold part of a character: its bytes are exact and its text
-    shows U+FFFD for the partial character. Tokens not spelt in the byte table (special
-    tokens of other tokenizers, ids past the tokenizer's vocabulary) fall back to decode.
+    shows U+FFFD for the partial character. Special tokens show their name
+    (``<|end|>``). Tokens not spelt in the byte table (special tokens of other
+    tokenizers, ids past the tokenizer's vocabulary) fall back to decode.
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, bytes]] = {}
+        self.special = tokenizer.special_token_ids if tokenizer is not None else frozenset()
+        self._cache: dict[int, tuple[str, bytes, bool]] = {}
 
-    def __call__(self, token_id: int) -> tuple[str, bytes]:
+    def __call__(self, token_id: int) -> tuple[str, bytes, bool]:
         piece = self._cache.get(token_id)
         if piece is None:
-            piece = self._cache[token_id] = self._piece(token_id)
+            piece = self._cache[token_id] = (*self._piece(token_id), token_id in self.special)
         return piece
 
     def _piece(self, token_id: int) -> tuple[str, bytes]:
         tok = self.tokenizer
         if tok is None or token_id >= tok.vocab_size:
             return (f"token_id:{token_id}", b"") if tok is None else ("", b"")
+        if token_id in self.special:
+            text = tok.id_to_token(token_id) or ""
+            return text, text.encode("utf-8")
         spelt = tok.id_to_token(token_id)
         if spelt is not None and all(c in _BYTES_OF_CHAR for c in spelt):
             raw = bytes(_BYTES_OF_CHAR[c] for c in spelt)

@@ -36,7 +36,9 @@ class Alternative:
     token_id: int
     token: str
     bytes: bytes
-    logprob: float
+    logprob: float | None             # None: the first prompt token, which nothing scores
+    special: bool = False             # a special token: the output text never holds it
+    rank: int | None = None           # its vocabulary rank, where known (prompt tokens)
 
 
 @dataclass
@@ -46,19 +48,24 @@ class TokenLogprob(Alternative):
 
 @dataclass
 class Output:
-    """What a request got since its last Output. The last one has `finish_reason` (stop,
-    length, abort) or `error` set."""
+    """What one sample of a request got since its last Output. The last one has
+    `finish_reason` (stop, length, abort) or `error` set."""
 
+    index: int = 0                    # the sample's choice index in its HTTP request
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # With the first Output, when the prompt's logprobs were asked for: one per prompt token.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None          # the request failed in the engine
     cancelled: bool = False           # aborted by the server (shutdown), not by the client
     prompt_tokens: int = 0
     completion_tokens: int = 0
     accept_length: float = 0.0
     num_rounds: int = 0
+    num_emitted: int = 0              # tokens its verify rounds emitted
 
     @property
     def final(self) -> bool:
@@ -66,24 +73,29 @@ class Output:
 
 
 class Job:
-    """One HTTP request's generation. The event loop creates it and reads `outputs`; the
+    """One sample of an HTTP request: one engine request. The event loop creates it and
+    reads `outputs` (shared by the samples of one HTTP request, told apart by `index`); the
     worker alone sets and reads everything below `outputs`."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, *, stream: bool, logprobs: bool,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue | None = None, index: int = 0):
         self.prompt_ids, self.params = prompt_ids, params
         self.stream, self.logprobs = stream, logprobs
         self.loop = loop
-        self.outputs: asyncio.Queue[Output] = asyncio.Queue()
+        self.index = index
+        self.outputs: asyncio.Queue[Output] = outputs if outputs is not None else asyncio.Queue()
         self.arrival = time.monotonic()
         self.counted = False       # event loop: its end is counted (metrics, in-flight)
         # worker-only
         self.seq: Sequence | None = None
         self.text: IncrementalText | None = None
         self.num_sent = 0          # output tokens already in an Output
+        self.prompt_sent = params.prompt_logprobs is None   # the prompt's logprobs went out
         self.num_seen = 0          # output tokens already counted in the metrics
         self.rounds_seen = 0
         self.emitted_seen = 0
+        self.drafted_seen = 0
+        self.accepted_seen: list[int] = []    # per draft depth
         self.last_token_at: float | None = None
 
     def push(self, out: Output) -> None:
@@ -96,7 +108,7 @@ class Job:
 class EngineWorker:
     def __init__(self, engine: Engine, spec: SpecConfig | None, metrics: ServerMetrics, *,
                  decode: Callable[[list[int]], str] | None,
-                 token_piece: Callable[[int], tuple[str, bytes]]):
+                 token_piece: Callable[[int], tuple[str, bytes, bool]]):
         self.engine, self.spec, self.metrics = engine, spec, metrics
         self.decode, self.token_piece = decode, token_piece
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,6 +116,7 @@ class EngineWorker:
         self._suspects: list[Sequence] = []      # requests of a failed step, to retry alone
         self._thread = threading.Thread(target=self._run, name="branchspec-engine", daemon=True)
         self.error: BaseException | None = None  # set if the thread itself died
+        self._preemptions_seen = engine.num_preemptions
 
     # -- event loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -173,7 +186,7 @@ class EngineWorker:
             job.seq = self.engine.add_request(job.prompt_ids, job.params)
         except Exception as e:   # checked before, so only a bug gets here
             log.exception("could not add a request")
-            job.push(Output(error=f"{type(e).__name__}: {e}", prompt_tokens=len(job.prompt_ids)))
+            job.push(Output(index=job.index, error=f"{type(e).__name__}: {e}", prompt_tokens=len(job.prompt_ids)))
             return
         job.text = IncrementalText(self.decode, job.params.stop)
         self._jobs[job.seq.seq_id] = job
@@ -234,7 +247,7 @@ class EngineWorker:
             self._suspects.remove(seq)
         log.error("request %d failed: %s: %s", seq.seq_id, type(exc).__name__, exc, exc_info=exc)
         if job is not None:
-            job.push(Output(error=f"{type(exc).__name__}: {exc}", prompt_tokens=len(seq.prompt_ids),
+            job.push(Output(index=job.index, error=f"{type(exc).__name__}: {exc}", prompt_tokens=len(seq.prompt_ids),
                             completion_tokens=len(seq.output_ids)))
 
     def _end(self, job: Job, why: str, cancelled: bool = False) -> None:
@@ -252,7 +265,7 @@ class EngineWorker:
             if error is not None:
                 self._jobs.pop(job.seq.seq_id, None)
                 self.engine.abort(job.seq)
-                job.push(Output(error=error, prompt_tokens=len(job.prompt_ids)))
+                job.push(Output(index=job.index, error=error, prompt_tokens=len(job.prompt_ids)))
             else:
                 self._end(job, "abort", cancelled=True)
         self._suspects.clear()
@@ -279,16 +292,15 @@ class EngineWorker:
             job.last_token_at = now
             m.generation_tokens.inc(n - job.num_seen)
             job.num_seen = n
-            rounds, emitted = seq.stats.num_rounds - job.rounds_seen, seq.stats.num_emitted - job.emitted_seen
-            for _ in range(rounds):
-                m.accept_length.observe(emitted / rounds)
-            job.rounds_seen, job.emitted_seen = seq.stats.num_rounds, seq.stats.num_emitted
+            self._count_rounds(job)
         final = seq.finished
-        if not final and (not job.stream or n == job.num_sent):
+        prompt_ready = not job.prompt_sent and seq.prompt_logprobs is not None
+        if not final and (not job.stream or (n == job.num_sent and not prompt_ready)):
             return
         if final:
             text = job.text.finish(seq.output_text or "")
             m.e2e.observe(now - job.arrival)
+            m.finished(seq.finish_reason.value, len(seq.prompt_ids), n, seq.params.max_tokens)
             del self._jobs[seq.seq_id]
         else:
             text = job.text.update(seq.output_ids)
@@ -296,25 +308,60 @@ class EngineWorker:
         if job.logprobs and seq.logprobs is not None:
             logprobs = [self._token_logprob(t, d) for t, d in zip(seq.output_ids[job.num_sent:n],
                                                                    seq.logprobs[job.num_sent:n])]
-        out = Output(text=text, token_ids=seq.output_ids[job.num_sent:n], logprobs=logprobs,
-                     finish_reason=seq.finish_reason.value if final else None, cancelled=cancelled,
+        prompt_logprobs = None
+        if prompt_ready:
+            ranks = seq.prompt_ranks or [None] * len(seq.prompt_ids)
+            prompt_logprobs = [self._token_logprob(t, d, r) for t, d, r in zip(seq.prompt_ids, seq.prompt_logprobs,
+                                                                                ranks)]
+            job.prompt_sent = True
+        out = Output(index=job.index, text=text, token_ids=seq.output_ids[job.num_sent:n], logprobs=logprobs,
+                     prompt_logprobs=prompt_logprobs, finish_reason=seq.finish_reason.value if final else None,
+                     stop_reason=seq.stop_reason if final else None, cancelled=cancelled,
                      prompt_tokens=len(seq.prompt_ids), completion_tokens=n,
-                     accept_length=seq.stats.accept_length, num_rounds=seq.stats.num_rounds)
+                     accept_length=seq.stats.accept_length, num_rounds=seq.stats.num_rounds,
+                     num_emitted=seq.stats.num_emitted)
         job.num_sent = n
         job.push(out)
 
-    def _token_logprob(self, token_id: int, alternatives: dict[int, float]) -> TokenLogprob:
-        def alt(t: int, lp: float) -> Alternative:
-            text, raw = self.token_piece(t)
-            return Alternative(t, text, raw, lp)
+    def _count_rounds(self, job: Job) -> None:
+        """The speculative rounds since the last count, in vLLM's spec-decode counters."""
+        m, stats = self.metrics, job.seq.stats
+        rounds, emitted = stats.num_rounds - job.rounds_seen, stats.num_emitted - job.emitted_seen
+        if not rounds:
+            return
+        for _ in range(rounds):
+            m.accept_length.observe(emitted / rounds)
+        m.spec_drafts.inc(rounds)
+        m.spec_draft_tokens.inc(stats.num_drafted - job.drafted_seen)
+        m.spec_accepted.inc(emitted - rounds)            # a round emits its accepted drafts and one more
+        seen = job.accepted_seen + [0] * (len(stats.accepted_per_depth) - len(job.accepted_seen))
+        for position, (hits, before) in enumerate(zip(stats.accepted_per_depth, seen)):
+            if hits > before:
+                m.spec_accepted_per_pos.labels(str(position)).inc(hits - before)
+        job.rounds_seen, job.emitted_seen, job.drafted_seen = stats.num_rounds, stats.num_emitted, stats.num_drafted
+        job.accepted_seen = list(stats.accepted_per_depth)
 
-        chosen = alt(token_id, alternatives.get(token_id, float("-inf")))
-        top = [alt(t, lp) for t, lp in sorted(alternatives.items(), key=lambda kv: -kv[1])]
-        return TokenLogprob(chosen.token_id, chosen.token, chosen.bytes, chosen.logprob, top=top)
+    def _token_logprob(self, token_id: int, alternatives: dict[int, float] | None,
+                       rank: int | None = None) -> TokenLogprob:
+        """One token's logprob entry; `alternatives` None is the first prompt token (no score)."""
+        def alt(t: int, lp: float | None, r: int | None = None) -> Alternative:
+            text, raw, special = self.token_piece(t)
+            return Alternative(t, text, raw, lp, special, r)
+
+        if alternatives is None:
+            chosen = alt(token_id, None)
+            return TokenLogprob(chosen.token_id, chosen.token, chosen.bytes, None, chosen.special)
+        chosen = alt(token_id, alternatives.get(token_id, float("-inf")), rank)
+        ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])
+        top = [alt(t, lp, rank if t == token_id and rank is not None else i + 1) for i, (t, lp) in enumerate(ranked)]
+        return TokenLogprob(chosen.token_id, chosen.token, chosen.bytes, chosen.logprob, chosen.special, chosen.rank,
+                            top=top)
 
     def _gauges(self) -> None:
         engine, m = self.engine, self.metrics
         m.running.set(len(engine.scheduler.running))
         m.waiting.set(len(engine.scheduler.waiting))
-        for pool, free in engine.cache.num_free_pages().items():
-            m.free_pages.labels(pool).set(free)
+        m.pages(engine.cache.num_free_pages())
+        if engine.num_preemptions > self._preemptions_seen:
+            m.preemptions.inc(engine.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = engine.num_preemptions

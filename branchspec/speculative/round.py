@@ -26,6 +26,7 @@ from branchspec.cache.paged import PagedState
 from branchspec.config import SpecConfig
 from branchspec.execution import Executor
 from branchspec.execution.timing import PhaseClock
+from branchspec.logits_process import NodePaths, process_logits
 from branchspec.sampling import SamplingBatch, emitted_logprobs, target_tokens
 from branchspec.speculative.accept import accept
 from branchspec.speculative.drafter import Drafter
@@ -99,8 +100,11 @@ class SpeculativeRound:
         out = self.executor.target(tree.tokens, meta, ids, L)                # logits [B, D, V]
         clock.lap("verify")
 
+        # Each node's own rules (bias, min_tokens, penalties) see only its own prefix: the
+        # committed output and its path in the tree. Logprobs stay the raw logits'.
+        logits = process_logits(out.logits, batch.sampling.rules, NodePaths.tree(tree.tokens, meta.ancestor))
+        target = target_tokens(logits, batch.sampling)                      # [B, D]
         # A round never commits past a request's token budget (its pages were sized for it).
-        target = target_tokens(out.logits, batch.sampling)                  # [B, D]
         acc = accept(tree.tokens, tree.parents, target, max_path_len=batch.budget + 1)
         path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]
         path_len = acc.path_len.tolist()
