@@ -109,20 +109,10 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.validate(prompt_ids, params)
+        # An unseeded request takes its seed from the engine's stream, once, here.
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-                       generator=torch.Generator().manual_seed(seed))
-        seq.arrival = seq.seq_id
-        self.scheduler.add(seq)
-        return seq
-
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        self.validate(prompt_ids, params)
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-                       generator=torch.Generator().manual_seed(seed))
+        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params, seed=seed)
         seq.arrival = seq.seq_id
         self.scheduler.add(seq)
         return seq

@@ -51,11 +51,11 @@ class ModelRunner:
 
     @staticmethod
     def sampling(seqs: list[Sequence]) -> SamplingBatch:
-        """Each request's temperature [B] (0 = greedy), top-p [B], generator and logprobs."""
+        """Each request's temperature [B] (0 = greedy), top-p [B], seed and logprobs."""
         return SamplingBatch(temperature=torch.tensor([s.params.sampling_temperature for s in seqs],
                                                       dtype=torch.float64),
                              top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64),
-                             generators=[s.generator for s in seqs],
+                             seeds=[s.seed for s in seqs],
                              num_logprobs=[s.params.logprobs for s in seqs])
 
     def batch(self, seqs: list[Sequence]) -> RoundBatch:
@@ -123,7 +123,9 @@ class ModelRunner:
             return firsts, lps
         rows = torch.stack([logits[i] for i in fresh])                       # [F, V]
         sampling = self.sampling([seqs[i] for i in fresh])
-        drawn = target_tokens(rows[:, None], sampling)[:, 0].tolist()
+        # The first output token sits at the prompt's length.
+        positions = torch.tensor([[len(seqs[i].prompt_ids)] for i in fresh])  # [F, 1]
+        drawn = target_tokens(rows[:, None], sampling, positions)[:, 0].tolist()
         for i, t in zip(fresh, drawn):
             firsts[i] = t
         want = [r for r, i in enumerate(fresh) if seqs[i].params.logprobs is not None]
@@ -179,7 +181,8 @@ class ModelRunner:
         clock.lap("verify")
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         clock.lap("commit")
-        emitted = [[t] for t in target_tokens(out.logits, batch.sampling)[:, 0].tolist()]
+        # The root sits at position L: the token drawn is at L + 1.
+        emitted = [[t] for t in target_tokens(out.logits, batch.sampling, L[:, None] + 1)[:, 0].tolist()]
         if follow:
             self.drafter.follow(ids, L, roots, out.hidden, [1] * batch.size, now=False)
         nodes = torch.zeros(batch.size, 1, dtype=torch.long)

@@ -99,7 +99,8 @@ class SpeculativeRound:
         clock.lap("verify")
 
         # A round never commits past a request's token budget (its pages were sized for it).
-        target = target_tokens(out.logits, batch.sampling)                  # [B, D]
+        # Each node sits at L + its depth and draws the token one further.
+        target = target_tokens(out.logits, batch.sampling, meta.positions + 1)   # [B, D]
         acc = accept(tree.tokens, tree.parents, target, max_path_len=batch.budget + 1)
         path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]
         path_len = acc.path_len.tolist()
