@@ -234,7 +234,7 @@ BAD_CHATS = [
     pytest.param([{"role": "user", "content": "hi"}, ("user", "hi")], TypeError, r"messages\[1\] must be a dict",
                  id="tuple-message"),
     pytest.param([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}], ValueError,
-                 "system message may only come first", id="late-system"),
+                 r"messages\[1\]\['role'\] is 'system': a system message may only come first", id="late-system"),
 ]
 
 
@@ -356,3 +356,81 @@ def test_interrupted_generate_frees_its_pages(llm, still_serves, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(NORMAL, SamplingParams(max_tokens=20, ignore_eos=True), spec=TREE)
     monkeypatch.undo()
+
+
+# -- warm-up ----------------------------------------------------------------------------------
+
+BAD_WARMUP = [
+    pytest.param("1,2", TypeError, r"LLM.warmup.batch_sizes must be a tuple of integers", id="string"),
+    pytest.param(None, TypeError, r"LLM.warmup.batch_sizes must be a tuple", id="none"),
+    pytest.param(4, TypeError, r"LLM.warmup.batch_sizes must be a tuple", id="int"),
+    pytest.param((1.0, 2.0), TypeError, r"LLM.warmup.batch_sizes\[0\] must be an integer, got float", id="floats"),
+    pytest.param((), ValueError, r"LLM.warmup.batch_sizes is empty", id="empty"),
+    pytest.param((1, 0), ValueError, r"LLM.warmup.batch_sizes\[1\] must be >= 1, got 0", id="zero"),
+    pytest.param((-2,), ValueError, r"LLM.warmup.batch_sizes\[0\] must be >= 1, got -2", id="negative"),
+    pytest.param((1, True), TypeError, r"LLM.warmup.batch_sizes\[1\] must be an integer, got bool", id="bool"),
+]
+
+
+@pytest.mark.parametrize("batch_sizes, error, match", BAD_WARMUP)
+def test_bad_warmup_batch_sizes(llm, still_serves, batch_sizes, error, match):
+    refused(error, match, lambda: llm.warmup(TREE, batch_sizes=batch_sizes))
+
+
+def test_warmup_takes_sizes_past_the_batch_as_the_batch(llm, still_serves):
+    assert llm.warmup(None, batch_sizes=(1, 64, 4))["graphs"] == 0      # eager: nothing to compile
+
+
+# -- threads ----------------------------------------------------------------------------------
+
+
+def test_threads_sharing_one_llm_take_turns(llm, reference, still_serves):
+    """Four threads call generate and chat on one LLM at once: the calls run one at a time
+    and each gets what it gets alone (greedy, and sampled with a seed)."""
+    import threading
+
+    ref_ids, _ = reference
+    hot = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5)
+    alone = llm.generate(NORMAL, hot, spec=TREE)
+    chat = [{"role": "user", "content": "Say hi."}]
+    chat_alone = llm.chat(chat, normal_params())[0].token_ids
+    barrier = threading.Barrier(4)
+    results, errors = {}, []
+
+    def work(i: int) -> None:
+        barrier.wait()
+        try:
+            for _ in range(3):
+                if i == 3:
+                    results.setdefault(i, []).append(llm.chat(chat, normal_params())[0].token_ids)
+                else:
+                    spec, params = [(TREE, normal_params()), (None, normal_params()), (TREE, hot)][i]
+                    results.setdefault(i, []).append([o.token_ids for o in llm.generate(NORMAL, params, spec=spec)])
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert results[0] == results[1] == [ref_ids] * 3
+    assert results[2] == [[o.token_ids for o in alone]] * 3
+    assert results[3] == [chat_alone] * 3
+
+
+def test_a_call_from_inside_a_call_is_refused(llm, still_serves, monkeypatch):
+    """A progress callback that calls generate again would wait for itself forever: it is
+    refused at once, the outer call fails cleanly and frees its pages."""
+    engine = llm.engine
+    original = engine.run
+
+    def reentrant(spec, progress=None):
+        llm.generate(NORMAL, normal_params())
+        return original(spec, progress)
+
+    monkeypatch.setattr(engine, "run", reentrant)
+    refused(RuntimeError, r"LLM.generate: this LLM is busy with generate on the same thread", 
+            lambda: llm.generate(NORMAL, normal_params(), spec=TREE))
+    monkeypatch.setattr(engine, "run", original)

@@ -87,12 +87,17 @@ class ServerState:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.worker.start()
+        # The engine thread owns the LLM while serving: offline calls on it are refused.
+        state.llm.claim("serving", blocking=False)
         try:
-            yield
+            state.worker.start()
+            try:
+                yield
+            finally:
+                state.draining = True
+                await asyncio.get_running_loop().run_in_executor(None, state.worker.stop, 30.0)
         finally:
-            state.draining = True
-            await asyncio.get_running_loop().run_in_executor(None, state.worker.stop, 30.0)
+            state.llm.release()
 
     app = FastAPI(title="branchspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.branchspec = state
