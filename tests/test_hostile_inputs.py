@@ -7,6 +7,7 @@ across calls, page reservation under speculation, role markers typed into chat c
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -159,7 +160,7 @@ def test_tiny_temperature_is_greedy(llm, reference, still_serves):
 # -- speculation ------------------------------------------------------------------------------
 
 def test_topk_beyond_vocabulary(llm, still_serves):
-    spec = SpecConfig(num_steps=1, topk=400, num_draft_tokens=3)
+    spec = SpecConfig(num_steps=1, topk=400, num_draft_tokens=401)
     refused(ValueError, r"topk=400 exceeds the model's vocabulary of 300", lambda: llm.generate(NORMAL, spec=spec))
 
 
@@ -265,7 +266,9 @@ def test_role_markers_in_content_stay_text(llm, still_serves):
     (["generate", "hi", "--seed", "-2"], "seed"),
     (["generate", "hi", "--speculative-eagle-topk", "0"], "topk"),
     (["generate", "hi", "--speculative-eagle-topk", "400", "--speculative-num-steps", "1",
-      "--speculative-num-draft-tokens", "3"], "vocabulary"),
+      "--speculative-num-draft-tokens", "401"], "vocabulary"),
+    (["generate", "hi", "--speculative-eagle-topk", "400", "--speculative-num-steps", "1",
+      "--speculative-num-draft-tokens", "3"], "topk <= 2"),
     (["generate", "hi", "--device", "npu7"], "not a device name"),
     (["bench", "--quick", "--device", "meta"], "only 'cpu' and 'cuda'"),
 ])
@@ -434,3 +437,62 @@ def test_a_call_from_inside_a_call_is_refused(llm, still_serves, monkeypatch):
     refused(RuntimeError, r"LLM.generate: this LLM is busy with generate on the same thread", 
             lambda: llm.generate(NORMAL, normal_params(), spec=TREE))
     monkeypatch.setattr(engine, "run", original)
+
+
+# -- what a round can allocate ----------------------------------------------------------------
+
+def test_spec_that_cannot_fit_in_memory_is_refused_when_the_policy_is_made():
+    """A configuration whose round needs more than the device's free memory (candidates
+    grow with topk^2 per step and the vocabulary, verify with B x D nodes) is refused when
+    the policy is made for an engine, naming the knob; nothing was allocated, and the same
+    engine then runs a normal configuration."""
+    from branchspec.config import ConfigError
+
+    model = random_model(tiny_config(vocab_size=4096), seed=0)
+    engine = Engine(model, EngineConfig(max_batch_size=64, page_size=4, max_model_len=128))
+    with pytest.raises(ConfigError, match=r"SpecConfig.topk=4096: a round of tree 2x4096 D=4097 at the engine's "
+                                          r"batch of 64 would allocate about \d+.\d GiB .* free on cpu"):
+        engine.policy(SpecConfig(num_steps=2, topk=4096, num_draft_tokens=4097))
+    with pytest.raises(ConfigError, match=r"SpecConfig.num_draft_tokens=100000: .*chain D=100000"):
+        engine.policy(SpecConfig.chain(100_000))
+    wide = SpecConfig(num_steps=2, topk=63, num_draft_tokens=4000)    # within the policy's own bounds
+    with pytest.raises(ConfigError, match=r"SpecConfig.num_draft_tokens=4000: a round of tree 2x63 D=4000"):
+        engine.policy(SpecConfig.auto([None, SpecConfig.chain(4), wide]))
+    seq = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.run(TREE)
+    assert len(seq.output_ids) == 5 and engine.cache.tables == {}
+
+
+def test_round_memory_bound_suggests_what_fits():
+    """With 1 GiB free, SGLang-sized trees on the default model's vocabulary fit at batch
+    8; at batch 64 the verify pass of D = 64 does not, and the suggested budget does."""
+    from branchspec.config import ConfigError, v4_mini_v2_config
+    from branchspec.speculative.footprint import RoundLimits, check_round_memory
+
+    cfg = v4_mini_v2_config()
+    small = RoundLimits(max_batch_size=8, max_len=2048, dtype_bytes=4, available_bytes=2**30)
+    for spec in (SpecConfig(5, 8, 64), SpecConfig(7, 8, 64), SpecConfig.chain(16), TREE):
+        check_round_memory(spec, cfg, small)
+    large = RoundLimits(max_batch_size=64, max_len=2048, dtype_bytes=4, available_bytes=2**30)
+    with pytest.raises(ConfigError, match=r"SpecConfig.num_draft_tokens=64: .* use num_draft_tokens <= (\d+)") as e:
+        check_round_memory(SpecConfig(5, 8, 64), cfg, large)
+    fits = int(re.search(r"num_draft_tokens <= (\d+)", str(e.value)).group(1))
+    check_round_memory(SpecConfig(5, 8, fits), cfg, large)
+    with pytest.raises(ConfigError):
+        check_round_memory(SpecConfig(5, 8, fits + 1), cfg, large)
+    check_round_memory(SpecConfig(5, 8, 64), cfg, None)                 # unknown memory: not checked
+
+
+@pytest.mark.parametrize("candidate, match", [
+    (SpecConfig.chain(18), r"candidates\[1\] \(chain D=18\) drafts 17 steps deep.*num_steps <= 16"),
+    (SpecConfig(num_steps=13, topk=4, num_draft_tokens=14), r"candidates\[1\] \(tree 13x4 D=14\) could verify "
+                                                             r"\d+ distinct nodes.*more than the 4096"),
+])
+def test_adaptive_candidates_beyond_the_policy_tables(llm, still_serves, candidate, match, tmp_path, monkeypatch):
+    """Deeper than the acceptance statistics go (once an IndexError mid-decision), or more
+    paths than the expected accept length can enumerate (4^13 once ran out of memory):
+    refused when SpecConfig.auto is called, naming the candidate."""
+    refused(ValueError, match, lambda: SpecConfig.auto([None, candidate]))
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path))     # its round-cost calibration
+    deepest = SpecConfig.chain(17)                                  # 16 steps: the table's depth
+    assert llm.generate(NORMAL, normal_params(), spec=SpecConfig.auto([None, deepest]))[0].token_ids

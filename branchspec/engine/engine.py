@@ -24,6 +24,7 @@ from branchspec.engine.scheduler import Scheduler
 from branchspec.execution import make_executor
 from branchspec.model.model import Transformer
 from branchspec.speculative.drafter import MTPDrafter
+from branchspec.speculative.footprint import RoundLimits, available_memory
 from branchspec.speculative.policy import BatchView, SpecPolicy, make_policy
 from branchspec.speculative.round import RoundResult
 
@@ -77,10 +78,18 @@ class Engine:
                 return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show)
 
             policy = make_policy(spec, costs)
-            policy.check(self.cfg, self.drafter is not None)
+            policy.check(self.cfg, self.drafter is not None, self.round_limits())
             policy.prepare(progress)
             self._policies[spec] = policy
         return policy
+
+    def round_limits(self) -> RoundLimits:
+        """What a speculative round may use here: the largest batch, the longest request,
+        the model's float size and the device's free memory now."""
+        p = self.model.embed.weight
+        return RoundLimits(max_batch_size=self.config.max_batch_size, max_len=self.max_len,
+                           dtype_bytes=p.element_size(), available_bytes=available_memory(p.device),
+                           device=str(p.device))
 
     # -- requests ---------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
