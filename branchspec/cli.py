@@ -198,7 +198,8 @@ def _add_train(sub):
 
     d = TrainConfig()
     p = sub.add_parser("train", help="train a target model and its MTP drafter on the workloads")
-    p.add_argument("--out", default=d.out, help="run folder (tokenizer, state.pt, loss.png, log)")
+    p.add_argument("--out", default=d.out, help="run folder (tokenizer, state.json and its tensors, the resume "
+                                                "pack, loss.png, log)")
     p.add_argument("--model", default=d.model, help="model preset: v4-mini, v4-mini-v2 or tiny")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -222,7 +223,8 @@ def _add_train(sub):
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (about 1.3x here)")
     p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else the Hugging Face hub)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/state.pt, else from OUT's compact pack (resume.safetensors + resume.json)")
+                   help="continue from OUT/state.json (exact), else from OUT's compact pack (resume.safetensors + "
+                        "resume.json); a folder with neither is refused")
     p.add_argument("--stop-after", type=int, default=None, help="stop (state saved) after this many steps of this run")
     p.add_argument("--export", default=None, help="checkpoint folder to write at the end (default OUT/checkpoint)")
     p.set_defaults(func=_train, parser=p)
@@ -247,11 +249,18 @@ def _train(args) -> int:
 
     from branchspec.train.trainer import TrainConfig, train
 
-    saved = Path(args.out) / "train_config.json"
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        args.parser.error(f"--out {out} is a file; give a folder (a new one, or a run's to --resume)")
+    saved = out / "train_config.json"
     if args.resume and saved.is_file():
         # A resumed run keeps the settings it started with (the schedule depends on them);
         # flags that would change them are refused rather than silently ignored.
-        cfg = TrainConfig(**json.loads(saved.read_text()))
+        try:
+            cfg = TrainConfig(**json.loads(saved.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as e:    # not JSON, not an object, unknown or bad fields
+            args.parser.error(f"{saved} is not a run's settings ({type(e).__name__}: {e}); restore it, or "
+                              "start a new --out")
         fresh = args.parser.parse_args(["--out", args.out])
         # How each step is computed (precision, compile) may change; what it computes may not.
         changed = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
@@ -384,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError) as e:   # OSError: a missing file, a full disk, a refused write
         print(f"branchspec {args.command}: error: {e}", file=sys.stderr)
         return 2
 
