@@ -22,47 +22,25 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import torch
+
+from branchspec.atomic import is_temporary, write_atomically
 
 STATE_FILE = "state.json"
 STATE_FORMAT = "branchspec-train-state"
 PACK_WEIGHTS, PACK_STATE = "resume.safetensors", "resume.json"
 LEGACY_STATE = "state.pt"
 _TENSORS_RE = re.compile(r"state-\d{6,}\.safetensors")
-_TMP_SUFFIX = ".tmp"
-_TMP_RE = re.compile(r"\..+\.\d+\.tmp")      # `_tmp_name`'s: .NAME.PID.tmp
 
 
 class ResumeError(ValueError):
     """A run folder whose saved state cannot be resumed; the message names the file."""
 
 
-# -- atomic writes ----------------------------------------------------------------------------
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
-
-
-def write_atomically(path: Path, write) -> None:
-    """write(tmp_path) fills a temporary sibling of `path`, which then replaces `path` in
-    one rename; on any error the temporary file is removed and `path` is as it was. A full
-    disk is reported naming the file."""
-    tmp = _tmp_name(path)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
-        raise
-
+# -- writing ------------------------------------------------------------------------------------
 
 def write_json(path: Path, obj) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj) + "\n", encoding="utf-8"))
@@ -87,7 +65,7 @@ def remove_leftovers(out: Path) -> list[Path]:
     named_ok = isinstance(named, str) and _TENSORS_RE.fullmatch(named) and (out / named).is_file()
     removed = []
     for p in out.iterdir() if out.is_dir() else ():
-        stale_tmp = _TMP_RE.fullmatch(p.name) and p.is_file()
+        stale_tmp = is_temporary(p.name) and p.is_file()
         orphan = named_ok and _TENSORS_RE.fullmatch(p.name) and p.name != named and p.is_file()
         if stale_tmp or orphan:
             p.unlink(missing_ok=True)

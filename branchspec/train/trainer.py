@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from branchspec.atomic import write_atomically, write_text
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import ModelConfig, tiny_config, v4_mini_config, v4_mini_v2_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
@@ -261,8 +262,7 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
         step, history, evals, elapsed = st["step"], st["history"], st["evals"], st["elapsed"]
         sittings = st.get("sittings", [])
     state.remove_leftovers(out)                  # what interrupted saves left behind
-    state.write_atomically(out / "train_config.json", lambda tmp: tmp.write_text(
-        json.dumps(dataclasses.asdict(cfg), indent=2) + "\n"))
+    write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     setup_seconds = time.perf_counter() - t_setup
     sitting = {"start_step": step, "precision": precision, "compile": cfg.compile, "threads": torch.get_num_threads(),
                "cpu": _cpu_name(), "torch": torch.__version__, "precision_probe_seconds": precision_probe,
@@ -277,7 +277,7 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
         sitting.update(end_step=step)
         state.save_state(out, model.state_dict(), opt.state_dict(), record())
         state.save_pack(out, model, record())
-        state.write_atomically(out / "loss.png", lambda tmp: plot_losses(history, evals, tmp))
+        write_atomically(out / "loss.png", lambda tmp: plot_losses(history, evals, tmp))
 
     def losses(ids):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
@@ -352,8 +352,8 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     }
     save_checkpoint(model.eval(), folder, dtype="bfloat16", metadata={"training": info})
     tok.save(folder)
-    (folder / "training.json").write_text(json.dumps(info, indent=2) + "\n")
-    plot_losses(history, evals, folder / "loss.png")
+    write_text(folder / "training.json", json.dumps(info, indent=2) + "\n")
+    write_atomically(folder / "loss.png", lambda tmp: plot_losses(history, evals, tmp))
     return folder
 
 
