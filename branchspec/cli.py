@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from branchspec.cli_paths import readable_folder, writable_folder
 from branchspec.config import AutoPolicy, SamplingParams, SpecConfig
 
 
@@ -65,6 +66,8 @@ def _add_generate(sub):
 def _generate(args) -> int:
     from branchspec.llm import LLM
 
+    if args.model is not None:
+        readable_folder("--model", args.model)
     spec = _spec_from_args(args, args.parser)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -163,6 +166,8 @@ def _serve(args) -> int:
     from branchspec.serve.server import run
 
     parser = args.parser
+    if args.model is not None:
+        readable_folder("--model", args.model)
     spec = _serve_spec(args, parser)
     for name, low in (("max_running_requests", 1), ("max_queued_requests", 0), ("port", 0), ("num_threads", 1)):
         if getattr(args, name) is not None and getattr(args, name) < low:
@@ -250,8 +255,14 @@ def _train(args) -> int:
     from branchspec.train.trainer import TrainConfig, train
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        args.parser.error(f"--out {out} is a file; give a folder (a new one, or a run's to --resume)")
+    try:
+        writable_folder("--out", out)
+        if args.export is not None:
+            writable_folder("--export", args.export)
+        if args.tokenizer_from is not None:
+            readable_folder("--tokenizer-from", args.tokenizer_from)
+    except (OSError, ValueError) as e:
+        args.parser.error(str(e))
     saved = out / "train_config.json"
     if args.resume and saved.is_file():
         # A resumed run keeps the settings it started with (the schedule depends on them);
@@ -320,8 +331,11 @@ def _distill(args) -> int:
     from branchspec.train.distill import DistillConfig, distill_drafter
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        args.parser.error(f"--out {out} exists and is not an empty folder")
+    try:
+        readable_folder("checkpoint", args.checkpoint)
+        writable_folder("--out", out, empty=True)
+    except (OSError, ValueError) as e:
+        args.parser.error(str(e))
     try:
         cfg = DistillConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             warmup=args.warmup, mbpp_path=args.mbpp_path, seed=args.seed,
@@ -363,6 +377,9 @@ def _add_convert(sub):
 
 def _convert(args) -> int:
     from branchspec.checkpoint import checkpoint_metadata, convert_checkpoint
+
+    readable_folder("source", args.src)
+    writable_folder("output", args.out, empty=True)
 
     if args.to == "hf":
         from branchspec.checkpoint import export_hf_folder

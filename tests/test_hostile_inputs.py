@@ -496,3 +496,41 @@ def test_adaptive_candidates_beyond_the_policy_tables(llm, still_serves, candida
     monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path))     # its round-cost calibration
     deepest = SpecConfig.chain(17)                                  # 16 steps: the table's depth
     assert llm.generate(NORMAL, normal_params(), spec=SpecConfig.auto([None, deepest]))[0].token_ids
+
+
+# -- paths on the command line ----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "hi", "--model", "{file}"], r"--model .*a-file is a file, not a folder"),
+    (["serve", "--model", "{file}"], r"--model .*a-file is a file, not a folder"),
+    (["bench", "--quick", "--model", "{ckpt}", "--out", "{file}"], r"--out .*a-file is a file, not a folder"),
+    (["bench", "--quick", "--model", "{ckpt}", "--out", "{file}/sub"],
+     r"--out .*a-file/sub cannot be created: .*a-file is a file"),
+    (["bench", "--quick", "--model", "{file}"], r"--model .*a-file is a file"),
+    (["bench", "--quick", "--model", "{missing}"], r"--model .*missing does not exist"),
+    (["convert", "{ckpt}", "{file}/sub"], r"output .*a-file/sub cannot be created: .*a-file is a file"),
+    (["convert", "{ckpt}", "{file}"], r"output .*a-file is a file"),
+    (["convert", "{file}", "{tmp}/out"], r"source .*a-file is a file, not a folder"),
+    (["convert", "{ckpt}", "{ckpt}"], r"output .* exists and is not an empty folder"),
+    (["distill-drafter", "{ckpt}", "--out", "{file}/x"], r"--out .*cannot be created"),
+    (["distill-drafter", "{missing}", "--out", "{tmp}/d"], r"checkpoint .*missing does not exist"),
+    (["train", "--out", "{file}/run"], r"--out .*cannot be created: .*a-file is a file"),
+    (["train", "--out", "{tmp}/run", "--export", "{file}"], r"--export .*a-file is a file"),
+    (["train", "--out", "{tmp}/run", "--tokenizer-from", "{missing}"], r"--tokenizer-from .*missing does not exist"),
+])
+def test_cli_paths_are_checked_before_any_work(ckpt, tmp_path, capsys, argv, match):
+    """A path that is a file where a folder is wanted, under a file, or missing: exit 2
+    with a message naming the flag and the path, and nothing written."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    names = {"file": str(f), "ckpt": str(ckpt), "missing": str(tmp_path / "missing"), "tmp": str(tmp_path)}
+    argv = [a.format(**names) for a in argv]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.search(match, err) and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and f.read_text() == "x"
