@@ -136,6 +136,18 @@ def _add_serve(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--seed", type=int, default=None, help="seed the stream unseeded requests draw from")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve beyond this machine (a --host other than loopback) without --api-key; refused "
+                        "otherwise")
+    p.add_argument("--timeout-request-header", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (default 10); then 408")
+    p.add_argument("--timeout-request-body", type=float, default=30.0,
+                   help="seconds a client has to send a request's body (default 30); then 408")
+    p.add_argument("--timeout-keep-alive", type=float, default=30.0,
+                   help="seconds an idle kept-alive connection stays open (default 30)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections open at once at most; more get 503 (default: 1024, or room for every "
+                        "running and queued request if more)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before cancelling them")
     p.add_argument("--num-threads", type=int, default=None,
@@ -178,6 +190,20 @@ def _serve(args) -> int:
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key is empty")
+    from branchspec.serve.server import ConnectionLimits, check_host
+
+    try:
+        check_host(args.host, args.api_key, args.allow_unauthenticated)
+        need = args.max_running_requests + args.max_queued_requests + 64   # the queue, /health, /metrics
+        limits = ConnectionLimits(header_timeout=args.timeout_request_header, body_timeout=args.timeout_request_body,
+                                  keep_alive_timeout=args.timeout_keep_alive,
+                                  max_connections=(args.limit_concurrency if args.limit_concurrency is not None
+                                                   else max(1024, need)))
+    except ValueError as e:
+        parser.error(str(e).replace("ConnectionLimits.header_timeout", "--timeout-request-header")
+                     .replace("ConnectionLimits.body_timeout", "--timeout-request-body")
+                     .replace("ConnectionLimits.keep_alive_timeout", "--timeout-keep-alive")
+                     .replace("ConnectionLimits.max_connections", "--limit-concurrency"))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if args.num_threads is not None:
         import torch
@@ -192,7 +218,8 @@ def _serve(args) -> int:
     try:
         return run(llm, spec, host=args.host, port=args.port, api_key=args.api_key,
                    max_queued_requests=args.max_queued_requests, model_name=args.served_model_name,
-                   shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                   shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, limits=limits,
+                   allow_unauthenticated=args.allow_unauthenticated)
     except OSError as e:   # the address is taken, or not this machine's
         print(f"branchspec serve: error: {e.strerror or e}", file=sys.stderr)
         return 2

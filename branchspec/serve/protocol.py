@@ -223,7 +223,9 @@ def _validate(info: ModelInfo, ids: list[int], params: SamplingParams, prompt_pa
 
 
 # -- /v1/completions --------------------------------------------------------------------
-def _prompt_ids(prompt, info: ModelInfo) -> list[int]:
+def _prompt_ids(prompt, info: ModelInfo, nested: bool = False) -> list[int]:
+    """A prompt: text, token ids, or (OpenAI's batch form, one prompt only) an array
+    holding one of those; no deeper nesting."""
     if isinstance(prompt, str):
         _text("prompt", prompt)
         if info.encode_text is None:
@@ -235,14 +237,17 @@ def _prompt_ids(prompt, info: ModelInfo) -> list[int]:
     if not isinstance(prompt[0], (str, list)):   # token ids
         for i, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, int):
-                raise _bad(f"prompt[{i}]", f"must be an integer token id, got {_what(t)}")
+                raise _bad(f"prompt{'[0]' if nested else ''}[{i}]", f"must be an integer token id, got {_what(t)}")
         return list(prompt)
+    if nested:
+        raise _bad("prompt[0][0]", f"must be an integer token id, got {_what(prompt[0])}: a prompt nests one "
+                                   "level at most")
     if len(prompt) != 1:
         raise _bad("prompt", f"holds {len(prompt)} prompts; this server takes one prompt per request "
                              "(send one request each; they are batched together)")
     inner = prompt[0]
     if isinstance(inner, str) or (isinstance(inner, list) and inner):
-        return _prompt_ids(inner, info)
+        return _prompt_ids(inner, info, nested=True)
     if isinstance(inner, list):
         raise _bad("prompt", "is an empty array of token ids")
     raise _bad("prompt[0]", f"must be a string or an array of token ids, got {_what(inner)}")
