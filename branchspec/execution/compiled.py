@@ -240,7 +240,7 @@ class CompiledStep:
 
     Each shape class (the node count; the drafter's counts from 2 up share one) is compiled
     ahead of time (`aot_compile`) on its first call, and saved under the branchspec cache
-    folder, keyed by the model's configuration, dtype, device, the source of the model code,
+    folder, keyed by the model's configuration, dtype, device (with its index), the source of the model code,
     torch, the CPU and the torch settings its guards check (`global_state`: the thread count
     among them); a later process loads it in about a second instead of tracing and
     compiling it again (tracing alone takes 5-10 s a graph on two cores). Set
@@ -268,7 +268,8 @@ class CompiledStep:
         import json
 
         w = self.model.embed.weight
-        blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": w.device.type,
+        # The device with its index: a step guards on its tensors' devices (cuda:0 is not cuda:1).
+        blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": str(w.device),
                            "step": self.fn.__name__, "shape": shape_class, "source": _source_digest(),
                            "inductor": self._inductor_options(),
                            "global_state": state if state is not None else global_state(),
