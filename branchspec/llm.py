@@ -169,8 +169,8 @@ class LLM:
         no other: a fixed SpecConfig never decodes plainly, so plain decoding is warmed by
         `warmup(None)`. Batch 1 and any batch of 2 or more cover all batch sizes. With
         `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
-        warms plain decoding and every candidate. batch_sizes: positive integers; one past
-        the engine's max_batch_size runs as that (the batch never grows past it). Returns
+        warms plain decoding and every candidate. batch_sizes: positive integers; sizes past
+        the engine's max_batch_size run at max_batch_size (no batch grows larger). Returns
         {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
         instead}; on an eager LLM it only warms caches."""
         from branchspec.execution.compiled import compilations, steps_loaded
