@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from branchspec.cli_paths import readable_folder, writable_folder
 from branchspec.config import AutoPolicy, SamplingParams, SpecConfig
 from branchspec.speculative.draft_vocab import token_map_arg
 
@@ -67,6 +68,8 @@ def _add_generate(sub):
 def _generate(args) -> int:
     from branchspec.llm import LLM
 
+    if args.model is not None:
+        readable_folder("--model", args.model)
     spec = _spec_from_args(args, args.parser)
     if args.max_tokens is not None and args.max_tokens < 1:   # 0 only scores a prompt: nothing to print
         args.parser.error(f"--max-tokens (SamplingParams.max_tokens) must be >= 1, got {args.max_tokens}")
@@ -139,6 +142,18 @@ def _add_serve(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--seed", type=int, default=None, help="seed the stream unseeded requests draw from")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve beyond this machine (a --host other than loopback) without --api-key; refused "
+                        "otherwise")
+    p.add_argument("--timeout-request-header", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (default 10); then 408")
+    p.add_argument("--timeout-request-body", type=float, default=30.0,
+                   help="seconds a client has to send a request's body (default 30); then 408")
+    p.add_argument("--timeout-keep-alive", type=float, default=30.0,
+                   help="seconds an idle kept-alive connection stays open (default 30)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections open at once at most; more get 503 (default: 1024, or room for every "
+                        "running and queued request if more)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before cancelling them")
     p.add_argument("--num-threads", type=int, default=None,
@@ -169,6 +184,8 @@ def _serve(args) -> int:
     from branchspec.serve.server import run
 
     parser = args.parser
+    if args.model is not None:
+        readable_folder("--model", args.model)
     spec = _serve_spec(args, parser)
     for name, low in (("max_running_requests", 1), ("max_queued_requests", 0), ("port", 0), ("num_threads", 1)):
         if getattr(args, name) is not None and getattr(args, name) < low:
@@ -179,6 +196,20 @@ def _serve(args) -> int:
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key is empty")
+    from branchspec.serve.server import ConnectionLimits, check_host
+
+    try:
+        check_host(args.host, args.api_key, args.allow_unauthenticated)
+        need = args.max_running_requests + args.max_queued_requests + 64   # the queue, /health, /metrics
+        limits = ConnectionLimits(header_timeout=args.timeout_request_header, body_timeout=args.timeout_request_body,
+                                  keep_alive_timeout=args.timeout_keep_alive,
+                                  max_connections=(args.limit_concurrency if args.limit_concurrency is not None
+                                                   else max(1024, need)))
+    except ValueError as e:
+        parser.error(str(e).replace("ConnectionLimits.header_timeout", "--timeout-request-header")
+                     .replace("ConnectionLimits.body_timeout", "--timeout-request-body")
+                     .replace("ConnectionLimits.keep_alive_timeout", "--timeout-keep-alive")
+                     .replace("ConnectionLimits.max_connections", "--limit-concurrency"))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if args.num_threads is not None:
         import torch
@@ -194,7 +225,8 @@ def _serve(args) -> int:
     try:
         return run(llm, spec, host=args.host, port=args.port, api_key=args.api_key,
                    max_queued_requests=args.max_queued_requests, model_name=args.served_model_name,
-                   shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                   shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, limits=limits,
+                   allow_unauthenticated=args.allow_unauthenticated)
     except OSError as e:   # the address is taken, or not this machine's
         print(f"branchspec serve: error: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -205,7 +237,8 @@ def _add_train(sub):
 
     d = TrainConfig()
     p = sub.add_parser("train", help="train a target model and its MTP drafter on the workloads")
-    p.add_argument("--out", default=d.out, help="run folder (tokenizer, state.pt, loss.png, log)")
+    p.add_argument("--out", default=d.out, help="run folder (tokenizer, state.json and its tensors, the resume "
+                                                "pack, loss.png, log)")
     p.add_argument("--model", default=d.model, help="model preset: v4-mini, v4-mini-v2 or tiny")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -229,7 +262,8 @@ def _add_train(sub):
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (about 1.3x here)")
     p.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else the Hugging Face hub)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/state.pt, else from OUT's compact pack (resume.safetensors + resume.json)")
+                   help="continue from OUT/state.json (exact), else from OUT's compact pack (resume.safetensors + "
+                        "resume.json); a folder with neither is refused")
     p.add_argument("--stop-after", type=int, default=None, help="stop (state saved) after this many steps of this run")
     p.add_argument("--export", default=None, help="checkpoint folder to write at the end (default OUT/checkpoint)")
     p.set_defaults(func=_train, parser=p)
@@ -254,11 +288,24 @@ def _train(args) -> int:
 
     from branchspec.train.trainer import TrainConfig, train
 
-    saved = Path(args.out) / "train_config.json"
+    out = Path(args.out)
+    try:
+        writable_folder("--out", out)
+        if args.export is not None:
+            writable_folder("--export", args.export)
+        if args.tokenizer_from is not None:
+            readable_folder("--tokenizer-from", args.tokenizer_from)
+    except (OSError, ValueError) as e:
+        args.parser.error(str(e))
+    saved = out / "train_config.json"
     if args.resume and saved.is_file():
         # A resumed run keeps the settings it started with (the schedule depends on them);
         # flags that would change them are refused rather than silently ignored.
-        cfg = TrainConfig(**json.loads(saved.read_text()))
+        try:
+            cfg = TrainConfig(**json.loads(saved.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as e:    # not JSON, not an object, unknown or bad fields
+            args.parser.error(f"{saved} is not a run's settings ({type(e).__name__}: {e}); restore it, or "
+                              "start a new --out")
         fresh = args.parser.parse_args(["--out", args.out])
         # How each step is computed (precision, compile) may change; what it computes may not.
         changed = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
@@ -318,8 +365,11 @@ def _distill(args) -> int:
     from branchspec.train.distill import DistillConfig, distill_drafter
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        args.parser.error(f"--out {out} exists and is not an empty folder")
+    try:
+        readable_folder("checkpoint", args.checkpoint)
+        writable_folder("--out", out, empty=True)
+    except (OSError, ValueError) as e:
+        args.parser.error(str(e))
     try:
         cfg = DistillConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             warmup=args.warmup, mbpp_path=args.mbpp_path, seed=args.seed,
@@ -403,6 +453,9 @@ def _add_convert(sub):
 def _convert(args) -> int:
     from branchspec.checkpoint import checkpoint_metadata, convert_checkpoint
 
+    readable_folder("source", args.src)
+    writable_folder("output", args.out, empty=True)
+
     if args.to == "hf":
         from branchspec.checkpoint import export_hf_folder
 
@@ -433,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError) as e:   # OSError: a missing file, a full disk, a refused write
         print(f"branchspec {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Sequence_
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import numpy as np
 import torch
 
 from branchspec.checkpoint import checkpoint_stop_ids, load_checkpoint
-from branchspec.config import MAX_SEED, AutoPolicy, EngineConfig, SamplingParams, SpecConfig, check_int
+from branchspec.config import (MAX_SEED, AutoPolicy, ConfigError, ConfigTypeError, EngineConfig, SamplingParams,
+                               SpecConfig, check_int)
 from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
@@ -127,6 +130,13 @@ class LLM:
     `speculative_token_map` (SGLang's flag): the tokens the drafter may propose, a reduced
     draft vocabulary (`speculative/draft_vocab.py`); None takes the checkpoint's own
     `draft_vocab.safetensors` if it has one, False drafts over the whole vocabulary.
+
+    Threads: an LLM may be shared between threads. Its calls (`generate`, `chat`,
+    `warmup`) run one at a time: a call made while another thread's runs waits for it to
+    finish, then runs with the same engine (outputs are what each call would give alone:
+    seeded requests repeat exactly). A call made from inside a running call on the same
+    thread (from a progress callback, say), or while a server serves this LLM, raises
+    RuntimeError at once instead of waiting forever.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
@@ -161,6 +171,35 @@ class LLM:
         self.seed = seed
         self.engine = self._build_engine()
         self.last_stats = GenerateStats()
+        self._lock = threading.Lock()              # one call at a time owns the engine
+        self._holder: tuple[int, str] | None = None   # (thread, what) of the owner
+
+    # -- one call at a time -------------------------------------------------------------
+    def claim(self, what: str, blocking: bool = True) -> None:
+        """Take the engine for `what` (see the class docstring: calls run one at a time);
+        `release` gives it back. RuntimeError instead of waiting when this thread already
+        holds it, when a server holds it, or (blocking=False) when anyone does."""
+        holder = self._holder
+        if holder is not None and (holder[0] == threading.get_ident() or holder[1] == "serving"):
+            where = "on the same thread" if holder[0] == threading.get_ident() else "in another thread"
+            raise RuntimeError(f"LLM.{what}: this LLM is busy with {holder[1]} {where}; its engine runs one "
+                               "call at a time, and this one would wait forever")
+        if not self._lock.acquire(blocking=blocking):
+            raise RuntimeError(f"LLM.{what}: this LLM is busy with {holder[1] if holder else 'a call'} in "
+                               "another thread")
+        self._holder = (threading.get_ident(), what)
+
+    def release(self) -> None:
+        self._holder = None
+        self._lock.release()
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        self.claim(what)
+        try:
+            yield
+        finally:
+            self.release()
 
     @property
     def config(self):
@@ -202,23 +241,26 @@ class LLM:
         no other: a fixed SpecConfig never decodes plainly, so plain decoding is warmed by
         `warmup(None)`. Batch 1 and any batch of 2 or more cover all batch sizes. With
         `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
-        warms plain decoding and every candidate. Returns
+        warms plain decoding and every candidate. batch_sizes: positive integers; sizes past
+        the engine's max_batch_size run at max_batch_size (no batch grows larger). Returns
         {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
         instead}; on an eager LLM it only warms caches."""
         from branchspec.execution.compiled import compilations, steps_loaded
 
-        policy = self.engine.policy(spec)
-        t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
-        policy.prepare(progress=True)
-        prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
-        for b in batch_sizes:
-            for s in policy.configurations:
-                # Long enough to cross a page of entries and finish rounds at every accept length.
-                params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
-                                        ignore_eos=True, seed=0)
-                self.generate([prompt] * b, params, spec=s)
-        return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0,
-                "loaded": steps_loaded() - loaded0}
+        sizes = _batch_sizes(batch_sizes, self.engine_config.max_batch_size)
+        with self._exclusive("warmup"):
+            policy = self.engine.policy(spec)
+            t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
+            policy.prepare(progress=True)
+            prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
+            for b in sizes:
+                for s in policy.configurations:
+                    # Long enough to cross a page of entries and finish rounds at every accept length.
+                    params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
+                                            ignore_eos=True, seed=0)
+                    self._run([prompt] * b, [params] * b, s, False)
+            return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0,
+                    "loaded": steps_loaded() - loaded0}
 
     # -- input ------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:
@@ -282,10 +324,11 @@ class LLM:
         Every prompt, parameter and the spec are checked before any request runs; a bad
         one raises TypeError or ValueError naming it, and nothing is queued.
         """
-        prompts = self._prompt_list(prompts)
-        encoded = [self.encode(p, name=f"prompts[{i}]") for i, p in enumerate(prompts)]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        return self._run(encoded, self._params_list(sampling_params, len(prompts)), spec, use_tqdm, texts)
+        with self._exclusive("generate"):
+            prompts = self._prompt_list(prompts)
+            encoded = [self.encode(p, name=f"prompts[{i}]") for i, p in enumerate(prompts)]
+            texts = [p if isinstance(p, str) else None for p in prompts]
+            return self._run(encoded, self._params_list(sampling_params, len(prompts)), spec, use_tqdm, texts)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -299,12 +342,16 @@ class LLM:
             raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
         single = isinstance(conversations[0], Mapping)
         batch = [conversations] if single else conversations
-        encoded = []
-        for c, conversation in enumerate(batch):
-            name = "messages" if single else f"conversations[{c}]"
-            _check_messages(conversation, name)
-            encoded.append(self.tokenizer.encode_chat(conversation, add_generation_prompt=True))
-        return self._run(encoded, self._params_list(sampling_params, len(batch)), spec, use_tqdm)
+        with self._exclusive("chat"):
+            encoded = []
+            for c, conversation in enumerate(batch):
+                name = "messages" if single else f"conversations[{c}]"
+                _check_messages(conversation, name)
+                try:
+                    encoded.append(self.tokenizer.encode_chat(conversation, add_generation_prompt=True))
+                except ValueError as e:     # the template's own rules (a system message first, ...)
+                    raise ValueError(f"{name}: {e}") from None
+            return self._run(encoded, self._params_list(sampling_params, len(batch)), spec, use_tqdm)
 
     def _run(self, encoded: list[list[int]], params_list: list[SamplingParams], spec: SpecConfig | AutoPolicy | None,
              use_tqdm: bool, texts: list[str | None] | None = None) -> list[RequestOutput]:
@@ -375,6 +422,18 @@ def request_output(group: list[Sequence], prompt: str | None = None) -> RequestO
                          prompt=prompt, finished=all(s.finished for s in group))
 
 
+def _batch_sizes(value, max_batch_size: int) -> tuple[int, ...]:
+    """warmup's batch sizes: a non-empty sequence of positive integers, each capped at
+    max_batch_size, without repeats."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)):
+        raise ConfigTypeError(f"LLM.warmup.batch_sizes must be a tuple of integers such as (1, 4), "
+                              f"got {type(value).__name__} {value!r}")
+    if len(value) == 0:
+        raise ConfigError("LLM.warmup.batch_sizes is empty: give at least one batch size, such as (1,)")
+    sizes = [check_int("LLM.warmup", f"batch_sizes[{i}]", b, minimum=1) for i, b in enumerate(value)]
+    return tuple(dict.fromkeys(min(b, max_batch_size) for b in sizes))
+
+
 def _check_messages(messages, name: str) -> None:
     """A conversation is a non-empty list of {"role": str, "content": str} dicts."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -394,3 +453,5 @@ def _check_messages(messages, name: str) -> None:
                              f"character {e.start})") from None
         if m["role"] not in ROLES:
             raise ValueError(f"{name}[{i}]['role'] must be one of {ROLES}, got {m['role']!r}")
+        if m["role"] == "system" and i > 0:
+            raise ValueError(f"{name}[{i}]['role'] is 'system': a system message may only come first")

@@ -2,12 +2,24 @@
 sampling) and into vLLM's logprob dicts. Every token the engine emits is drawn here: the
 first one from the prefill's logits, the rest from a decode step's or a verify pass's.
 What a request's own rules (logit bias, min_tokens, penalties) do to the logits before
-that is `logits_process`."""
+that is `logits_process`.
+
+**Seeded draws depend on nothing but (seed, position).** The uniform that picks the token
+at sequence position p of a request is Philox4x32-10 (Salmon et al., SC 2011: a
+counter-based generator) keyed by the request's seed, at counter p: a pure function, not
+the next value of a consumed stream. A verify pass draws at every node of a tree, a plain
+step at one position, yet the token emitted at position p is always the inverse CDF of
+the target's distribution at its accepted prefix at the same u_p. Since the prefix itself
+is a function of u_<p, plain decoding, any chain, any tree and the adaptive policy emit
+the same tokens for a seed (exactly, when their logits agree bit for bit, as in float64),
+and the output still follows the target's distribution: u_p is independent of u_<p.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -17,7 +29,7 @@ class SamplingBatch:
 
     temperature: torch.Tensor                 # [B] float64, 0 = greedy
     top_p: torch.Tensor                       # [B] float64
-    generators: list[torch.Generator | None]  # [B] each request's own draws
+    seeds: list[int]                          # [B] each request's seed, in [0, 2**64)
     num_logprobs: list[int | None]            # [B] top-k logprobs asked for (None: none)
     top_k: torch.Tensor | None = None         # [B] long, 0 = all tokens (None: 0 for every row)
     min_p: torch.Tensor | None = None         # [B] float64 (None: 0 for every row)
@@ -28,9 +40,44 @@ class SamplingBatch:
     def rows(self, index: list[int]) -> "SamplingBatch":
         """The same for the requests at `index`."""
         pick = (lambda t: None if t is None else t[index])
-        return SamplingBatch(self.temperature[index], self.top_p[index], [self.generators[i] for i in index],
+        return SamplingBatch(self.temperature[index], self.top_p[index], [self.seeds[i] for i in index],
                              [self.num_logprobs[i] for i in index], pick(self.top_k), pick(self.min_p),
                              None if self.rules is None else self.rules.rows(index))
+
+
+# -- the counter-based draw ---------------------------------------------------------------
+# Philox4x32's multipliers and key increments (Random123's PHILOX_M4x32_*, PHILOX_W32_*).
+_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_PHILOX_W = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))
+_MASK32 = np.uint64(0xFFFFFFFF)
+_32 = np.uint64(32)
+
+
+def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, np.ndarray], rounds: int = 10
+               ) -> tuple[np.ndarray, ...]:
+    """Philox4x32-R of four 32-bit counter words and two key words (uint64 arrays holding
+    32-bit values, broadcast together) -> four 32-bit output words. In numpy's unsigned
+    arithmetic a 32 x 32-bit product is exact in 64 bits, so the result is the same on every
+    machine; the tests check Random123's known answers."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+        p0, p1 = _PHILOX_M[0] * c0, _PHILOX_M[1] * c2
+        c0, c1, c2, c3 = (p1 >> _32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> _32) ^ c3 ^ k1, p0 & _MASK32
+    return c0, c1, c2, c3
+
+
+def seeded_uniforms(seeds: list[int], positions: np.ndarray) -> np.ndarray:
+    """The uniform in [0, 1) of every (request, position): seeds [S] (each < 2**64) key the
+    generator, positions [S, N] (>= 0) are its counter. [S, N] float64, 53 random bits."""
+    seed = np.array(seeds, dtype=np.uint64)[:, None]                        # [S, 1]
+    pos = positions.astype(np.uint64)                                       # [S, N]
+    zero = np.zeros_like(pos)
+    x0, x1, _, _ = philox4x32((pos & _MASK32, pos >> _32, zero, zero), (seed & _MASK32, seed >> _32))
+    bits = ((x0 >> np.uint64(5)) << np.uint64(26)) | (x1 >> np.uint64(6))   # 27 + 26 bits
+    return bits.astype(np.float64) * 2.0 ** -53
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
@@ -71,26 +118,26 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return probs / probs.sum(-1, keepdim=True)
 
 
-def target_tokens(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-    """The target's token at every node: [B, N, V] -> [B, N].
+def target_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
+    """The target's token at every node: logits [B, N, V] -> [B, N].
 
-    Rows with temperature 0 take the argmax; the others draw one token per node from their
-    own generator (a per-request seed makes a request's output independent of its batch).
+    positions: [B, N] the sequence position of the token each node draws (a node at
+    position q draws the token at q + 1). Rows with temperature 0 take the argmax; the
+    others draw by inverse CDF at the uniform of (their seed, that position), see the
+    module's docstring: a request's tokens depend on neither its batch nor the tree.
     """
     out = logits.argmax(dim=-1)
-    generators = sampling.generators
     temperature, top_p = sampling.temperature.to(logits.device), sampling.top_p.to(logits.device)
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
         probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled],   # [S, N, V]
                                *(None if t is None else t[sampled] for t in (sampling.top_k, sampling.min_p)))
-        # Inverse-CDF draws: one uniform per node from the request's own generator, then
-        # one batched search (torch.multinomial per request costs ~1.5 ms a call here).
-        # The first token whose cumulative mass exceeds u: never a zero-probability one.
+        # One batched search (torch.multinomial per request costs ~1.5 ms a call here):
+        # the first token whose cumulative mass exceeds u, never a zero-probability one.
         cdf = probs.cumsum(-1)                                                          # [S, N, V]
-        # (Generators live on the CPU, so a seed gives the same draws on every device.)
-        u = torch.stack([torch.rand(probs.shape[1], generator=generators[b], dtype=cdf.dtype)
-                         for b in sampled]).to(cdf.device) * cdf[..., -1]                 # [S, N]
+        # Drawn on the host in exact integer arithmetic: the same u on every device.
+        u = seeded_uniforms([sampling.seeds[b] for b in sampled], positions[sampled].cpu().numpy())
+        u = torch.from_numpy(u).to(cdf.device, cdf.dtype) * cdf[..., -1]                # [S, N]
         draws = torch.searchsorted(cdf, u[..., None], right=True)[..., 0]
         out[sampled] = draws.clamp_(max=probs.shape[-1] - 1)
     return out

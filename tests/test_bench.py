@@ -154,7 +154,7 @@ def test_quick_preset_and_explicit_flags(tiny_ckpt):
     (["--tree-shapes", "1x2", "--budgets", "6"], "invalid at D=6"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--policies", "fixed,auto", "--policy-repeats", "-1"], "policy_repeats"),
-    (["--model", "/nonexistent/ckpt"], "has no config.json"),
+    (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt does not exist"),
 ])
 def test_invalid_values_fail_before_any_work(argv, message, tmp_path, capsys):
     out = tmp_path / "never"

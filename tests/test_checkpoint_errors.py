@@ -284,3 +284,71 @@ def test_tokenizer_larger_than_model_vocab(tmp_path, tok):
     with pytest.raises(ValueError, match=f"tokenizer.json has {tok.vocab_size} tokens but "
                                          "config.json's vocab_size is 64"):
         LLM(folder)
+
+
+# -- writing: interrupted and failed writes ---------------------------------------------------
+
+def test_a_conversion_that_runs_out_of_disk_leaves_nothing(ckpt, tmp_path, monkeypatch, capsys):
+    """The disk fills while the weights are written: an error naming the output (no
+    traceback from the CLI), and neither the output nor a temporary sibling is left."""
+    import errno
+
+    from branchspec import cli
+    from branchspec.checkpoint import convert as convert_module
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(convert_module, "save_file", full_disk)
+    out = tmp_path / "converted"
+    with pytest.raises(OSError, match=r"cannot write .*converted: No space left on device.*nothing was left"):
+        convert_module.convert_checkpoint(ckpt, out)
+    assert cli.main(["convert", str(ckpt), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(out) in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_killed_conversion_is_cleaned_up_by_the_next(ckpt, tmp_path):
+    """A writer killed mid-conversion leaves its temporary folder, marked with its pid;
+    the next conversion to the same output removes it (a live writer's is left alone)."""
+    import subprocess
+    import sys
+
+    from branchspec.atomic import PARTIAL_MARK
+    from branchspec.checkpoint import convert_checkpoint
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = tmp_path / ".converted.abc123"
+    abandoned.mkdir()
+    (abandoned / PARTIAL_MARK).write_text(dead.stdout.strip())
+    (abandoned / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / ".converted.live42"
+    live.mkdir()
+    (live / PARTIAL_MARK).write_text(str(__import__("os").getpid()))
+    convert_checkpoint(ckpt, tmp_path / "converted")
+    assert not abandoned.exists() and live.exists()
+    assert load_checkpoint(tmp_path / "converted").cfg == load_checkpoint(ckpt).cfg
+    assert not (tmp_path / "converted" / PARTIAL_MARK).exists()
+
+
+def test_save_checkpoint_replaces_files_whole(ckpt, model, monkeypatch):
+    """A save that fails mid-write leaves the folder's previous files as they were."""
+    import errno
+
+    from branchspec.checkpoint import save as save_module
+
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(save_module, "save_file", full_disk)
+    with pytest.raises(OSError, match=r"cannot write .*model.safetensors: No space left"):
+        save_checkpoint(model, ckpt)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    load_checkpoint(ckpt)

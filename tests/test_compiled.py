@@ -123,3 +123,59 @@ def test_a_compiled_engine_needs_the_dense_expert_dispatch():
     with pytest.raises(ValueError, match="expert_dispatch='dense'"):
         CompiledExecutor(random_model(cfg), cache)
     CompiledExecutor(random_model(cfg, expert_dispatch="dense"), cache)    # compiles nothing until called
+
+
+def test_steps_are_keyed_by_every_setting_their_guards_check(ckpt):
+    """The thread count, grad mode and default dtype are checked by a compiled step's
+    guards: a step saved under other settings must have another name (compiles nothing)."""
+    from branchspec.execution.compiled import CompiledStep, global_state, target_step
+
+    step = CompiledStep(random_model(tiny_config(), seed=0), target_step)
+    n = torch.get_num_threads()
+    keys = {step.key("nodes6")}
+    try:
+        torch.set_num_threads(1 if n != 1 else 2)
+        keys.add(step.key("nodes6"))
+    finally:
+        torch.set_num_threads(n)
+    with torch.no_grad():
+        keys.add(step.key("nodes6"))
+    assert len(keys) == 3
+    assert step.key("nodes6", global_state()) == step.key("nodes6")
+
+
+def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path):
+    """A saved step whose guards refuse the inputs, then a fallback that cannot recompile
+    (FailOnRecompileLimitHit, as a process with another thread count once met): the
+    request still gets the eager engine's tokens, each step warns once, and later calls
+    run eagerly without trying again. Nothing is compiled (the steps are stand-ins)."""
+    import warnings
+
+    from branchspec.execution.compiled import CompiledStep
+
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path))
+    calls = {"saved": 0, "fallback": 0}
+
+    def saved_step(*args):
+        calls["saved"] += 1
+        raise RuntimeError("GuardManager check failed: num_threads")
+
+    def fallback(*args):
+        calls["fallback"] += 1
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
+
+    monkeypatch.setattr(CompiledStep, "_prepare", lambda self, cls, state, args: saved_step)
+    monkeypatch.setattr(CompiledStep, "_fallback", lambda self: fallback)
+    eager = LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=256, seed=0)
+    fast = LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=256, seed=0, compile=True)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=12, temperature=1.0, seed=3)]
+    for spec in (TREE, None):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = [o.token_ids for o in fast.generate(PROMPTS[:2], params, spec=spec)]
+        assert ours == [o.token_ids for o in eager.generate(PROMPTS[:2], params, spec=spec)]
+        eagerly = [str(w.message) for w in caught if "running this step eagerly" in str(w.message)]
+        # the tree runs two compiled functions (the target's and the drafter's), plain decoding one more
+        assert len(eagerly) == (2 if spec is TREE else 1), eagerly
+    assert calls == {"saved": 3, "fallback": 3}
+    assert fast.engine.cache.tables == {}

@@ -242,23 +242,37 @@ def test_steps_beyond_budget_suggests_max_steps():
 
 
 def test_every_rejected_spec_suggests_a_value_that_works():
-    """Over a grid of knobs: each combination is accepted, or the error's suggested
-    num_steps (with the same topk and budget) is accepted."""
+    """Over a grid of knobs: each combination is accepted, or following the errors'
+    suggestions (num_steps, or topk; the budget D kept) reaches one that is."""
     num_rejected = 0
     for k in range(1, 5):
         for D in range(2, 11):
             for s in range(1, 12):
-                try:
-                    SpecConfig(num_steps=s, topk=k, num_draft_tokens=D)
-                    continue
-                except ValueError as e:
-                    msg = str(e)
-                num_rejected += 1
-                m = re.search(r"num_steps (>=|<=) (\d+)", msg)
-                assert m, f"no suggestion in {msg!r} for ({s}, {k}, {D})"
-                fixed = SpecConfig(num_steps=int(m.group(2)), topk=k, num_draft_tokens=D)
+                knobs = {"num_steps": s, "topk": k}
+                for _ in range(3):
+                    try:
+                        fixed = SpecConfig(num_draft_tokens=D, **knobs)
+                        break
+                    except ValueError as e:
+                        msg = str(e)
+                    num_rejected += knobs == {"num_steps": s, "topk": k}
+                    m = re.search(r"use (num_steps|topk) (>=|<=) (\d+)", msg)
+                    assert m, f"no suggestion in {msg!r} for ({s}, {k}, {D})"
+                    knobs[m.group(1)] = int(m.group(3))
+                else:
+                    raise AssertionError(f"the suggestions for ({s}, {k}, {D}) lead nowhere: {msg}")
                 assert fixed.num_draft_tokens == D
     assert num_rejected > 20
+
+
+def test_topk_past_the_budget_is_refused():
+    """No kept tree of D - 1 nodes holds a child ranked past D - 1, so a larger topk only
+    drafts topk^2 candidates per step for nothing (SpecConfig(2, 4096, 8) once asked for
+    69 GB)."""
+    with pytest.raises(ValueError, match=r"SpecConfig.topk=4096 exceeds num_draft_tokens-1=7.*topk <= 7"):
+        SpecConfig(num_steps=2, topk=4096, num_draft_tokens=8)
+    assert SpecConfig(num_steps=2, topk=7, num_draft_tokens=8)
+    assert SpecConfig(num_steps=5, topk=8, num_draft_tokens=64)     # SGLang's large trees stay
 
 
 @pytest.mark.parametrize("field", ["num_steps", "topk", "num_draft_tokens"])

@@ -7,6 +7,7 @@ across calls, page reservation under speculation, role markers typed into chat c
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -159,7 +160,7 @@ def test_tiny_temperature_is_greedy(llm, reference, still_serves):
 # -- speculation ------------------------------------------------------------------------------
 
 def test_topk_beyond_vocabulary(llm, still_serves):
-    spec = SpecConfig(num_steps=1, topk=400, num_draft_tokens=3)
+    spec = SpecConfig(num_steps=1, topk=400, num_draft_tokens=401)
     refused(ValueError, r"topk=400 exceeds the model's vocabulary of 300", lambda: llm.generate(NORMAL, spec=spec))
 
 
@@ -234,7 +235,7 @@ BAD_CHATS = [
     pytest.param([{"role": "user", "content": "hi"}, ("user", "hi")], TypeError, r"messages\[1\] must be a dict",
                  id="tuple-message"),
     pytest.param([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}], ValueError,
-                 "system message may only come first", id="late-system"),
+                 r"messages\[1\]\['role'\] is 'system': a system message may only come first", id="late-system"),
 ]
 
 
@@ -265,7 +266,9 @@ def test_role_markers_in_content_stay_text(llm, still_serves):
     (["generate", "hi", "--seed", "-2"], "seed"),
     (["generate", "hi", "--speculative-eagle-topk", "0"], "topk"),
     (["generate", "hi", "--speculative-eagle-topk", "400", "--speculative-num-steps", "1",
-      "--speculative-num-draft-tokens", "3"], "vocabulary"),
+      "--speculative-num-draft-tokens", "401"], "vocabulary"),
+    (["generate", "hi", "--speculative-eagle-topk", "400", "--speculative-num-steps", "1",
+      "--speculative-num-draft-tokens", "3"], "topk <= 2"),
     (["generate", "hi", "--device", "npu7"], "not a device name"),
     (["bench", "--quick", "--device", "meta"], "only 'cpu' and 'cuda'"),
 ])
@@ -306,11 +309,13 @@ def test_unseeded_sampling_differs_across_calls_seeded_repeats(ckpt, llm, still_
     assert a != b
     seeded = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=1234)
     other = LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=128)   # another engine, unseeded
-    # (speculation draws per tree node, so it repeats itself, not plain decoding's draws)
-    for spec in (None, TREE):
-        runs = [llm.generate([NORMAL[0]], seeded, spec=spec)[0].token_ids for _ in range(2)]
+    # Each position's draw depends only on (seed, position), so speculation repeats plain
+    # decoding's tokens (this model is float32: ties at a threshold could differ, none here).
+    runs = []
+    for spec in (None, TREE, SpecConfig.chain(4)):
+        runs += [llm.generate([NORMAL[0]], seeded, spec=spec)[0].token_ids for _ in range(2)]
         runs.append(other.generate([NORMAL[0]], seeded, spec=spec)[0].token_ids)
-        assert runs[0] == runs[1] == runs[2], spec
+    assert all(r == runs[0] for r in runs), runs
 
 
 def test_one_engine_across_calls(llm, still_serves):
@@ -354,3 +359,178 @@ def test_interrupted_generate_frees_its_pages(llm, still_serves, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(NORMAL, SamplingParams(max_tokens=20, ignore_eos=True), spec=TREE)
     monkeypatch.undo()
+
+
+# -- warm-up ----------------------------------------------------------------------------------
+
+BAD_WARMUP = [
+    pytest.param("1,2", TypeError, r"LLM.warmup.batch_sizes must be a tuple of integers", id="string"),
+    pytest.param(None, TypeError, r"LLM.warmup.batch_sizes must be a tuple", id="none"),
+    pytest.param(4, TypeError, r"LLM.warmup.batch_sizes must be a tuple", id="int"),
+    pytest.param((1.0, 2.0), TypeError, r"LLM.warmup.batch_sizes\[0\] must be an integer, got float", id="floats"),
+    pytest.param((), ValueError, r"LLM.warmup.batch_sizes is empty", id="empty"),
+    pytest.param((1, 0), ValueError, r"LLM.warmup.batch_sizes\[1\] must be >= 1, got 0", id="zero"),
+    pytest.param((-2,), ValueError, r"LLM.warmup.batch_sizes\[0\] must be >= 1, got -2", id="negative"),
+    pytest.param((1, True), TypeError, r"LLM.warmup.batch_sizes\[1\] must be an integer, got bool", id="bool"),
+]
+
+
+@pytest.mark.parametrize("batch_sizes, error, match", BAD_WARMUP)
+def test_bad_warmup_batch_sizes(llm, still_serves, batch_sizes, error, match):
+    refused(error, match, lambda: llm.warmup(TREE, batch_sizes=batch_sizes))
+
+
+def test_warmup_takes_sizes_past_the_batch_as_the_batch(llm, still_serves):
+    assert llm.warmup(None, batch_sizes=(1, 64, 4))["graphs"] == 0      # eager: nothing to compile
+
+
+# -- threads ----------------------------------------------------------------------------------
+
+
+def test_threads_sharing_one_llm_take_turns(llm, reference, still_serves):
+    """Four threads call generate and chat on one LLM at once: the calls run one at a time
+    and each gets what it gets alone (greedy, and sampled with a seed)."""
+    import threading
+
+    ref_ids, _ = reference
+    hot = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5)
+    alone = llm.generate(NORMAL, hot, spec=TREE)
+    chat = [{"role": "user", "content": "Say hi."}]
+    chat_alone = llm.chat(chat, normal_params())[0].token_ids
+    barrier = threading.Barrier(4)
+    results, errors = {}, []
+
+    def work(i: int) -> None:
+        barrier.wait()
+        try:
+            for _ in range(3):
+                if i == 3:
+                    results.setdefault(i, []).append(llm.chat(chat, normal_params())[0].token_ids)
+                else:
+                    spec, params = [(TREE, normal_params()), (None, normal_params()), (TREE, hot)][i]
+                    results.setdefault(i, []).append([o.token_ids for o in llm.generate(NORMAL, params, spec=spec)])
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert results[0] == results[1] == [ref_ids] * 3
+    assert results[2] == [[o.token_ids for o in alone]] * 3
+    assert results[3] == [chat_alone] * 3
+
+
+def test_a_call_from_inside_a_call_is_refused(llm, still_serves, monkeypatch):
+    """A progress callback that calls generate again would wait for itself forever: it is
+    refused at once, the outer call fails cleanly and frees its pages."""
+    engine = llm.engine
+    original = engine.run
+
+    def reentrant(spec, progress=None):
+        llm.generate(NORMAL, normal_params())
+        return original(spec, progress)
+
+    monkeypatch.setattr(engine, "run", reentrant)
+    refused(RuntimeError, r"LLM.generate: this LLM is busy with generate on the same thread", 
+            lambda: llm.generate(NORMAL, normal_params(), spec=TREE))
+    monkeypatch.setattr(engine, "run", original)
+
+
+# -- what a round can allocate ----------------------------------------------------------------
+
+def test_spec_that_cannot_fit_in_memory_is_refused_when_the_policy_is_made():
+    """A configuration whose round needs more than the device's free memory (candidates
+    grow with topk^2 per step and the vocabulary, verify with B x D nodes) is refused when
+    the policy is made for an engine, naming the knob; nothing was allocated, and the same
+    engine then runs a normal configuration."""
+    from branchspec.config import ConfigError
+
+    model = random_model(tiny_config(vocab_size=4096), seed=0)
+    engine = Engine(model, EngineConfig(max_batch_size=64, page_size=4, max_model_len=128))
+    with pytest.raises(ConfigError, match=r"SpecConfig.topk=4096: a round of tree 2x4096 D=4097 at the engine's "
+                                          r"batch of 64 would allocate about \d+.\d GiB .* free on cpu"):
+        engine.policy(SpecConfig(num_steps=2, topk=4096, num_draft_tokens=4097))
+    with pytest.raises(ConfigError, match=r"SpecConfig.num_draft_tokens=100000: .*chain D=100000"):
+        engine.policy(SpecConfig.chain(100_000))
+    wide = SpecConfig(num_steps=2, topk=63, num_draft_tokens=4000)    # within the policy's own bounds
+    with pytest.raises(ConfigError, match=r"SpecConfig.num_draft_tokens=4000: a round of tree 2x63 D=4000"):
+        engine.policy(SpecConfig.auto([None, SpecConfig.chain(4), wide]))
+    seq = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.run(TREE)
+    assert len(seq.output_ids) == 5 and engine.cache.tables == {}
+
+
+def test_round_memory_bound_suggests_what_fits():
+    """With 1 GiB free, SGLang-sized trees on the default model's vocabulary fit at batch
+    8; at batch 64 the verify pass of D = 64 does not, and the suggested budget does."""
+    from branchspec.config import ConfigError, v4_mini_v2_config
+    from branchspec.speculative.footprint import RoundLimits, check_round_memory
+
+    cfg = v4_mini_v2_config()
+    small = RoundLimits(max_batch_size=8, max_len=2048, dtype_bytes=4, available_bytes=2**30)
+    for spec in (SpecConfig(5, 8, 64), SpecConfig(7, 8, 64), SpecConfig.chain(16), TREE):
+        check_round_memory(spec, cfg, small)
+    large = RoundLimits(max_batch_size=64, max_len=2048, dtype_bytes=4, available_bytes=2**30)
+    with pytest.raises(ConfigError, match=r"SpecConfig.num_draft_tokens=64: .* use num_draft_tokens <= (\d+)") as e:
+        check_round_memory(SpecConfig(5, 8, 64), cfg, large)
+    fits = int(re.search(r"num_draft_tokens <= (\d+)", str(e.value)).group(1))
+    check_round_memory(SpecConfig(5, 8, fits), cfg, large)
+    with pytest.raises(ConfigError):
+        check_round_memory(SpecConfig(5, 8, fits + 1), cfg, large)
+    check_round_memory(SpecConfig(5, 8, 64), cfg, None)                 # unknown memory: not checked
+
+
+@pytest.mark.parametrize("candidate, match", [
+    (SpecConfig.chain(18), r"candidates\[1\] \(chain D=18\) drafts 17 steps deep.*num_steps <= 16"),
+    (SpecConfig(num_steps=13, topk=4, num_draft_tokens=14), r"candidates\[1\] \(tree 13x4 D=14\) could verify "
+                                                             r"\d+ distinct nodes.*more than the 4096"),
+])
+def test_adaptive_candidates_beyond_the_policy_tables(llm, still_serves, candidate, match, tmp_path, monkeypatch):
+    """Deeper than the acceptance statistics go (once an IndexError mid-decision), or more
+    paths than the expected accept length can enumerate (4^13 once ran out of memory):
+    refused when SpecConfig.auto is called, naming the candidate."""
+    refused(ValueError, match, lambda: SpecConfig.auto([None, candidate]))
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path))     # its round-cost calibration
+    deepest = SpecConfig.chain(17)                                  # 16 steps: the table's depth
+    assert llm.generate(NORMAL, normal_params(), spec=SpecConfig.auto([None, deepest]))[0].token_ids
+
+
+# -- paths on the command line ----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "hi", "--model", "{file}"], r"--model .*a-file is a file, not a folder"),
+    (["serve", "--model", "{file}"], r"--model .*a-file is a file, not a folder"),
+    (["bench", "--quick", "--model", "{ckpt}", "--out", "{file}"], r"--out .*a-file is a file, not a folder"),
+    (["bench", "--quick", "--model", "{ckpt}", "--out", "{file}/sub"],
+     r"--out .*a-file/sub cannot be created: .*a-file is a file"),
+    (["bench", "--quick", "--model", "{file}"], r"--model .*a-file is a file"),
+    (["bench", "--quick", "--model", "{missing}"], r"--model .*missing does not exist"),
+    (["convert", "{ckpt}", "{file}/sub"], r"output .*a-file/sub cannot be created: .*a-file is a file"),
+    (["convert", "{ckpt}", "{file}"], r"output .*a-file is a file"),
+    (["convert", "{file}", "{tmp}/out"], r"source .*a-file is a file, not a folder"),
+    (["convert", "{ckpt}", "{ckpt}"], r"output .* exists and is not an empty folder"),
+    (["distill-drafter", "{ckpt}", "--out", "{file}/x"], r"--out .*cannot be created"),
+    (["distill-drafter", "{missing}", "--out", "{tmp}/d"], r"checkpoint .*missing does not exist"),
+    (["train", "--out", "{file}/run"], r"--out .*cannot be created: .*a-file is a file"),
+    (["train", "--out", "{tmp}/run", "--export", "{file}"], r"--export .*a-file is a file"),
+    (["train", "--out", "{tmp}/run", "--tokenizer-from", "{missing}"], r"--tokenizer-from .*missing does not exist"),
+])
+def test_cli_paths_are_checked_before_any_work(ckpt, tmp_path, capsys, argv, match):
+    """A path that is a file where a folder is wanted, under a file, or missing: exit 2
+    with a message naming the flag and the path, and nothing written."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    names = {"file": str(f), "ckpt": str(ckpt), "missing": str(tmp_path / "missing"), "tmp": str(tmp_path)}
+    argv = [a.format(**names) for a in argv]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.search(match, err) and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and f.read_text() == "x"

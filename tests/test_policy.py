@@ -90,6 +90,22 @@ def test_switching_between_plain_and_speculative_rounds_is_lossless(trained_ckpt
     assert llm.engine.cache.tables == {}, "pages leaked"
 
 
+def test_seeded_sampling_is_the_same_whatever_the_policy_picks(trained_ckpt, prompts):
+    """A seeded sampled request gives plain decoding's tokens under the adaptive policy,
+    left to choose and forced through every kind of switch (float64)."""
+    from test_spec_decode import seeded_params
+
+    llm = LLM(trained_ckpt, dtype="float64", max_batch_size=8)
+    params = seeded_params()
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params, spec=SpecConfig.auto())] == plain
+    forced = SpecConfig.auto(decay=0.8)     # another policy value: its own runner
+    force_cycle(llm, forced)
+    assert [o.token_ids for o in llm.generate(prompts, params, spec=forced)] == plain
+    assert llm.last_stats.spec_choices.get("none", 0) >= 3 and len(llm.last_stats.spec_choices) >= 4
+    assert llm.engine.cache.tables == {}, "pages leaked"
+
+
 def run_mixed_rounds_and_compare_drafter(trained_ckpt, prompts, skip_lag: bool = False) -> None:
     """Plain rounds, then speculative ones, then compare each request's drafter KV with a
     sequential MTP pass over its committed tokens (with the target's hidden states).

@@ -104,6 +104,37 @@ def test_outputs_carry_stats(llm, prompts, params):
     assert set(stats.phase_seconds) >= {"draft", "plan", "verify", "accept", "commit", "draft_extend"}
 
 
+SEEDED_SPECS = [SpecConfig.chain(2), SpecConfig.chain(5), SpecConfig.chain(8), SpecConfig(3, 2, 6),
+                SpecConfig(2, 4, 7), SpecConfig(4, 3, 8)]
+
+
+def seeded_params() -> list[SamplingParams]:
+    """Sampled requests with their own seeds (two share one), temperatures and top-p cuts,
+    and one greedy request among them; budgets differ so that requests leave mid-batch."""
+    temps = (1.0, 0.7, 1.0, 1.3, 0.0, 1.0, 0.9, 1.0)
+    tops = (1.0, 0.9, 1.0, 1.0, 1.0, 0.8, 1.0, 0.95)
+    seeds = (7, 11, 7, 2**64 - 1, None, 0, 123456789, 42)
+    return [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=m, ignore_eos=True)
+            for t, p, s, m in zip(temps, tops, seeds, (20, 37, 5, 60, 11, 30, 1, 44))]
+
+
+def test_seeded_sampling_gives_the_same_tokens_whatever_runs(llm, prompts):
+    """Token for token, not just in distribution: a seeded sampled request draws the token
+    at each position from (seed, position) alone, so plain decoding, every chain and tree,
+    alone or in a mixed batch, emit the same tokens (float64: the logits agree exactly)."""
+    params = seeded_params()
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    accepted = 0.0
+    for spec in SEEDED_SPECS:
+        outs = llm.generate(prompts, params, spec=spec)
+        assert [o.token_ids for o in outs] == plain, spec
+        accepted = max(accepted, llm.last_stats.accept_length)
+    assert accepted > 1.3, "sampled drafts were hardly accepted: the test would prove little"
+    for i in (1, 3, 5):          # alone, under speculation and plain
+        for spec in (None, SpecConfig(3, 2, 6), SpecConfig.chain(5)):
+            assert llm.generate([prompts[i]], params[i], spec=spec)[0].token_ids == plain[i], (i, spec)
+
+
 def test_select_tree_keeps_ancestors_and_orders_parents_first():
     # Candidates: 0,1 children of root; 2,3 of cand 0; 4,5 of cand 1; 6,7 of cand 2.
     parent = torch.tensor([[-1, -1, 0, 0, 1, 1, 2, 2]])

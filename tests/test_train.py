@@ -94,9 +94,9 @@ def test_train_config_errors():
 
 
 def test_resume_from_the_compact_pack(trained_run, tmp_path, mbpp_path):
-    """Without state.pt (a fresh clone of a repository that keeps only the pack), a run
-    resumes from resume.safetensors + resume.json: the weights and the sampler where they
-    were, Adam's moments rebuilt at learning rate 0, and the sittings recorded."""
+    """Without the exact state (a fresh clone of a repository that keeps only the pack), a
+    run resumes from resume.safetensors + resume.json: the weights and the sampler where
+    they were, Adam's moments rebuilt at learning rate 0, and the sittings recorded."""
     from safetensors.torch import load_file
 
     cfg = _small(tmp_path, 4, mbpp_path)
@@ -104,7 +104,8 @@ def test_resume_from_the_compact_pack(trained_run, tmp_path, mbpp_path):
     saved = load_file(str(tmp_path / "resume.safetensors"))
     record = json.loads((tmp_path / "resume.json").read_text())
     assert record["step"] == 2 and len(record["history"]) == 2
-    (tmp_path / "state.pt").unlink()
+    for p in [tmp_path / "state.json", *tmp_path.glob("state-*.safetensors")]:
+        p.unlink()
     folder = train(dataclasses.replace(cfg, reestimate_steps=2), resume=True, progress=False)
     info = json.loads((folder / "training.json").read_text())
     assert info["steps"] == 4 and [s["resumed_from"] for s in info["sittings"]] == [None, "pack"]

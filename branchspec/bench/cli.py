@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, parse_tree_shapes
+from branchspec.cli_paths import readable_folder, writable_folder
 from branchspec.bench.study import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_BUDGETS,
@@ -167,6 +168,9 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
         return 0
     try:
+        if args.model is not None:      # before any work, as the study's first write
+            readable_folder("--model", args.model)
+        writable_folder("--out", args.out)
         cfg = config_from_args(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"branchspec bench: error: {e}", file=sys.stderr)

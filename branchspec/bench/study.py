@@ -291,7 +291,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         for spec in cfg.group():
             compile_seconds += llm.warmup(spec, batch_sizes=(1,))["seconds"]
     elif "auto" in cfg.policies:
-        llm.warmup(cfg.auto_policy(), batch_sizes=())   # the round-cost calibration, untimed
+        llm.engine.policy(cfg.auto_policy(), progress=True)   # the round-cost calibration, untimed
 
     if cfg.warmup:
         # One short untimed run of each path, so one-time costs (allocator growth, lazy

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from branchspec import atomic
 from branchspec.config import ConfigError, read_config_json
 
 FORMAT_BRANCHSPEC = "branchspec"
@@ -207,22 +206,12 @@ def check_new_folder(out: Path) -> None:
         raise ValueError(f"output {out} already exists and is not an empty folder; choose a new path")
 
 
-@contextmanager
 def new_folder(out: Path):
-    """Write a checkpoint folder all or nothing: the block fills a temporary sibling of
-    ``out`` (which must not exist, or be empty), renamed into place when the block ends;
-    on any error the sibling is removed and ``out`` is left as it was."""
-    check_new_folder(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Write a checkpoint folder all or nothing (`atomic.new_folder`): the block fills a
+    temporary sibling of ``out`` (which must not exist, or be empty), renamed into place
+    when the block ends; on any error, a full disk included (an OSError naming ``out``),
+    the sibling is removed and ``out`` is left as it was."""
+    return atomic.new_folder(out, refuse=check_new_folder)
 
 
 def copy_tokenizer_files(src: Path, out: Path, names: Iterable[str] = TOKENIZER_FILES) -> None:

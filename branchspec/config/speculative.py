@@ -51,6 +51,12 @@ class SpecConfig:
         if s > d - 1:
             raise ConfigError(f"SpecConfig.num_steps={s} exceeds num_draft_tokens-1={d - 1}, the deepest "
                              f"a kept node can be; use num_steps <= {d - 1}")
+        # A child of rank r is kept only with its r - 1 better siblings (they score at least
+        # as high and come first), so no tree of D-1 nodes holds a child ranked past D-1:
+        # a larger topk drafts the same tree at topk^2 times the cost per step.
+        if k > d - 1:
+            raise ConfigError(f"SpecConfig.topk={k} exceeds num_draft_tokens-1={d - 1}: a tree of {d - 1} drafted "
+                             f"nodes never keeps a child ranked past {d - 1}; use topk <= {d - 1}")
 
     @property
     def is_chain(self) -> bool:

@@ -25,6 +25,7 @@ from branchspec.execution import make_executor
 from branchspec.model.model import Transformer
 from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.drafter import MTPDrafter
+from branchspec.speculative.footprint import RoundLimits, available_memory
 from branchspec.speculative.policy import BatchView, SpecPolicy, make_policy
 from branchspec.speculative.round import RoundResult
 
@@ -81,13 +82,21 @@ class Engine:
                 return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show)
 
             policy = make_policy(spec, costs)
-            policy.check(self.cfg, self.drafter is not None)
+            policy.check(self.cfg, self.drafter is not None, self.round_limits())
             for c in policy.configurations:
                 if c is not None:
                     self.drafter.check(c)
             policy.prepare(progress)
             self._policies[spec] = policy
         return policy
+
+    def round_limits(self) -> RoundLimits:
+        """What a speculative round may use here: the largest batch, the longest request,
+        the model's float size and the device's free memory now."""
+        p = self.model.embed.weight
+        return RoundLimits(max_batch_size=self.config.max_batch_size, max_len=self.max_len,
+                           dtype_bytes=p.element_size(), available_bytes=available_memory(p.device),
+                           device=str(p.device))
 
     # -- requests ---------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
@@ -126,13 +135,14 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: the engine runs one sample per request; add "
                              "each of params.choices() (LLM.generate does)")
+        # An unseeded request takes its seed from the engine's stream, once, here.
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.stop_token_ids
-        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-                       generator=torch.Generator().manual_seed(seed), stop_ids=stop_ids)
+        seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params, seed=seed,
+                       stop_ids=stop_ids)
         seq.arrival = seq.seq_id
         self.scheduler.add(seq)
         return seq

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from branchspec.config import SamplingParams
 
 
@@ -56,7 +54,9 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     num_committed: int = 0
-    generator: torch.Generator | None = None
+    # What its sampled tokens are drawn from, with their positions (`sampling.target_tokens`):
+    # SamplingParams.seed, or one the engine drew at admission.
+    seed: int = 0
     finish_reason: FinishReason | None = None
     output_text: str | None = None                         # set when it finishes (a stop string cuts it)
     # The ids that end this request (the engine's EOS and turn end unless ignore_eos, and

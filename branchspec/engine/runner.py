@@ -51,7 +51,7 @@ class ModelRunner:
         return torch.tensor([s.num_committed for s in seqs], dtype=torch.long, device=self.device)
 
     def sampling(self, seqs: list[Sequence]) -> SamplingBatch:
-        """Each request's temperature [B] (0 = greedy), top-p, top-k and min-p [B], generator,
+        """Each request's temperature [B] (0 = greedy), top-p, top-k and min-p [B], seed,
         logprobs, and the rules its logits go through first (`logits_process`)."""
         params = [s.params for s in seqs]
         rules = LogitsRules.build(
@@ -64,7 +64,7 @@ class ModelRunner:
         min_p = [p.min_p for p in params]
         return SamplingBatch(temperature=torch.tensor([p.sampling_temperature for p in params], dtype=torch.float64),
                              top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
-                             generators=[s.generator for s in seqs],
+                             seeds=[s.seed for s in seqs],
                              num_logprobs=[p.logprobs for p in params],
                              top_k=torch.tensor(top_k, dtype=torch.long) if any(top_k) else None,
                              min_p=torch.tensor(min_p, dtype=torch.float64) if any(min_p) else None,
@@ -136,8 +136,10 @@ class ModelRunner:
             return firsts, lps
         rows = torch.stack([logits[i] for i in fresh])                       # [F, V]
         sampling = self.sampling([seqs[i] for i in fresh])
+        # The first output token sits at the prompt's length.
+        positions = torch.tensor([[len(seqs[i].prompt_ids)] for i in fresh])  # [F, 1]
         drawn = target_tokens(process_logits(rows[:, None], sampling.rules, NodePaths.single(len(fresh))),
-                              sampling)[:, 0].tolist()
+                              sampling, positions)[:, 0].tolist()
         for i, t in zip(fresh, drawn):
             firsts[i] = t
         want = [r for r, i in enumerate(fresh) if seqs[i].params.logprobs is not None]
@@ -201,7 +203,8 @@ class ModelRunner:
         self.cache.commit(ids, meta, out.scratch, meta.valid)
         clock.lap("commit")
         logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
-        emitted = [[t] for t in target_tokens(logits, batch.sampling)[:, 0].tolist()]
+        # The root sits at position L: the token drawn is at L + 1.
+        emitted = [[t] for t in target_tokens(logits, batch.sampling, L[:, None] + 1)[:, 0].tolist()]
         if follow:
             self.drafter.follow(ids, L, roots, out.hidden, [1] * batch.size, now=False)
         nodes = torch.zeros(batch.size, 1, dtype=torch.long)

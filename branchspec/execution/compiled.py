@@ -176,6 +176,32 @@ _LOADED = [0]   # compiled steps this process loaded from the cache folder
 log = logging.getLogger("branchspec.compiled")
 
 
+def global_state() -> str:
+    """Everything a compiled step guards on besides its inputs: the process-wide torch
+    settings of dynamo's global-state guard (grad mode, thread count, default dtype,
+    deterministic algorithms, autocast, reduced-precision matmuls, ...), as a stable string.
+    A step compiled under other settings fails its guards, so the settings are part of its
+    key, on disk and in memory."""
+    import json
+
+    guard = getattr(torch._C._dynamo.guards, "GlobalStateGuard", None)
+    if guard is not None:
+        try:
+            return guard().__getstate__()
+        except (AttributeError, RuntimeError, TypeError):   # another torch: the fields we know
+            pass
+    return json.dumps({"grad_mode": torch.is_grad_enabled(), "num_threads": torch.get_num_threads(),
+                       "default_dtype": str(torch.get_default_dtype()),
+                       "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                       "float32_matmul_precision": torch.get_float32_matmul_precision()})
+
+
+# What a failed compilation raises (a recompile limit hit, a backend failure): the step then
+# runs eagerly, which is always correct, instead of failing the request.
+COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException,
+                   getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
+
+
 def report_progress() -> None:
     """Print a line to stderr as each graph starts and ends compiling (each takes a minute
     or two on a few cores), for command-line runs that do not configure logging."""
@@ -214,30 +240,39 @@ class CompiledStep:
 
     Each shape class (the node count; the drafter's counts from 2 up share one) is compiled
     ahead of time (`aot_compile`) on its first call, and saved under the branchspec cache
-    folder, keyed by the model's configuration, dtype, device, the source of the model code,
-    torch and the CPU; a later process loads it in about a second instead of tracing and
+    folder, keyed by the model's configuration, dtype, device (with its index), the source of the model code,
+    torch, the CPU and the torch settings its guards check (`global_state`: the thread count
+    among them); a later process loads it in about a second instead of tracing and
     compiling it again (tracing alone takes 5-10 s a graph on two cores). Set
     BRANCHSPEC_COMPILE_CACHE=0 to neither read nor write it. Where ahead-of-time compiling
-    is refused, the step falls back to plain `torch.compile`.
+    is refused, or a step's guards still fail, the step falls back to plain `torch.compile`;
+    and where that fails too (a recompile limit hit, say), to the same function run
+    eagerly, with one warning: a compiled step is only ever slower than it should be, never
+    the cause of a failed request.
     """
 
     def __init__(self, model: Transformer, fn: Callable, drafter: bool = False):
         self.model, self.fn, self.drafter = model, fn, drafter
-        self.steps: dict[str, Callable] = {}
+        self.steps: dict[tuple[str, str], Callable] = {}   # (shape class, global_state()) -> step
         self.fallback: Callable | None = None
+        self.eager = False          # the fallback failed to compile: run `fn` as it is
 
     def shape_class(self, args: tuple) -> str:
         n = args[0].shape[1]
         return "nodes2+" if self.drafter and n >= 2 else f"nodes{n}"
 
-    def key(self, shape_class: str) -> str:
+    def key(self, shape_class: str, state: str | None = None) -> str:
+        """The saved step's name: everything its graph and its guards depend on (state:
+        `global_state()`, now's by default)."""
         import hashlib
         import json
 
         w = self.model.embed.weight
-        blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": w.device.type,
+        # The device with its index: a step guards on its tensors' devices (cuda:0 is not cuda:1).
+        blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": str(w.device),
                            "step": self.fn.__name__, "shape": shape_class, "source": _source_digest(),
-                           "inductor": self._inductor_options(), "threads": torch.get_num_threads(),
+                           "inductor": self._inductor_options(),
+                           "global_state": state if state is not None else global_state(),
                            "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -253,23 +288,44 @@ class CompiledStep:
 
         args = _map_batch(args, canonical)
         cls = self.shape_class(args)
-        step = self.steps.get(cls) or self._prepare(cls, args)
         graphs = self._inductor_options().get("triton.cudagraphs", False)
         if graphs:   # a new step: the last replay's outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
-        try:
-            out = step(self.model, *args)
-        except RuntimeError as e:
-            if "GuardManager check failed" not in str(e):
-                raise
-            if self.fallback is None:
-                warnings.warn(f"{self.fn.__name__}: inputs its {cls} step was not compiled for; compiling "
-                              f"them separately ({str(e)[:300]})", stacklevel=2)
-            with tracing_settings():   # a plain torch.compile traces at its first call
-                out = self._fallback()(self.model, *args)
+        if self.eager:
+            out = self.fn(self.model, *args)
+        else:
+            state = global_state()   # settings changed since (threads, say): that step's own graph
+            step = self.steps.get((cls, state)) or self._prepare(cls, state, args)
+            try:
+                out = step(self.model, *args)
+            except COMPILER_ERRORS as e:       # a plain torch.compile step that cannot recompile
+                out = self._run_eagerly(e, args)
+            except RuntimeError as e:
+                if "GuardManager check failed" not in str(e):
+                    raise
+                out = self._recompiled(cls, args, str(e))
         if graphs:   # a replay's outputs live in the graph's memory, which the next replay reuses
             out = _map_batch(out, lambda t: t.clone())
         return _map_batch(out, lambda t: t[:1]) if pad else out
+
+    def _recompiled(self, cls: str, args: tuple, why: str):
+        """Inputs the step's guards refuse: plain torch.compile for them, which traces at its
+        first call and again for each new shape; where it fails (its recompile limit hit,
+        say), `fn` eagerly from now on."""
+        if self.fallback is None:
+            warnings.warn(f"{self.fn.__name__}: inputs its {cls} step was not compiled for; compiling "
+                          f"them separately ({why[:300]})", stacklevel=3)
+        try:
+            with tracing_settings():
+                return self._fallback()(self.model, *args)
+        except COMPILER_ERRORS as e:
+            return self._run_eagerly(e, args)
+
+    def _run_eagerly(self, error: Exception, args: tuple):
+        warnings.warn(f"{self.fn.__name__}: compiling failed ({type(error).__name__}: {str(error)[:200]}); "
+                      "running this step eagerly from now on (same results, slower)", stacklevel=4)
+        self.eager = True
+        return self.fn(self.model, *args)
 
     def _inductor_options(self) -> dict:
         """On CPU the generated wrapper is C++ (`cpp_wrapper`): a Python wrapper calls each of
@@ -290,12 +346,13 @@ class CompiledStep:
             self.fallback = torch.compile(self.fn, **self._options())
         return self.fallback
 
-    def _prepare(self, cls: str, args: tuple) -> Callable:
-        """Load the shape class's compiled step from the cache folder, else compile it now
-        (then save it). Compiling traces the example with a scratch copy of its metadata."""
+    def _prepare(self, cls: str, state: str, args: tuple) -> Callable:
+        """Load the shape class's compiled step for these torch settings (`global_state`)
+        from the cache folder, else compile it now (then save it). Compiling traces the
+        example with a scratch copy of its metadata."""
 
         use_cache = os.environ.get("BRANCHSPEC_COMPILE_CACHE", "1") != "0"
-        path = cache_dir() / "compiled" / f"{self.fn.__name__}-{cls}-{self.key(cls)}.bin"
+        path = cache_dir() / "compiled" / f"{self.fn.__name__}-{cls}-{self.key(cls, state)}.bin"
         step = None
         if use_cache and path.exists():
             try:
@@ -326,7 +383,7 @@ class CompiledStep:
                         tmp.replace(path)
                     except Exception:   # noqa: BLE001 - an unwritable cache only costs the next start
                         pass
-        self.steps[cls] = step
+        self.steps[(cls, state)] = step
         return step
 
 

@@ -1,20 +1,27 @@
 """The HTTP side: routes, API key, queue limit, server-sent events, disconnects, shutdown.
 
-Everything here runs on the event loop; generation runs in the engine thread
-(`worker.py`). A request is checked completely (`protocol.py`) before it is queued, so a
-bad one costs no engine time and gets its 400 at once.
+The routes run on the event loop, which only waits: generation runs in the engine thread
+(`worker.py`), and a request's CPU work before it is queued (parsing its JSON, checking it
+field by field, tokenizing its prompt: seconds for a prompt of megabytes) in a small pool
+of parse threads, each with its own copy of the tokenizer, so one heavy request never
+stalls /health or any other request. A request is checked completely (`protocol.py`)
+before it is queued, so a bad one costs no engine time and gets its 400 at once: every
+ValueError a client's input can cause is a 400 naming the parameter, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -34,6 +41,7 @@ log = logging.getLogger("branchspec.serve")
 
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_SECONDS = 1
+PARSE_THREADS = 2        # requests parsed and tokenized at once (each thread: its own tokenizer)
 
 
 class ServerState:
@@ -53,10 +61,13 @@ class ServerState:
         self.draining = False
         self.metrics = ServerMetrics({n: p.num_pages for n, p in self.engine.cache.pools.items()},
                                      self.policy.max_draft_tokens, self.engine.max_len)
-        # The tokenizer is encoded from the event loop and decoded in the engine thread;
-        # its backend keeps a per-call flag, so calls take turns.
+        self.body_timeout = 30.0    # seconds a request body may take to arrive (server.ConnectionLimits)
+        # The engine thread decodes with the LLM's tokenizer; its backend keeps a per-call
+        # flag, so its calls take turns. The parse threads encode with copies of their own.
         tok = llm.tokenizer
         self._tok_lock = threading.Lock()
+        self._local = threading.local()
+        self.parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="branchspec-parse")
         decode = None
         if tok is not None:
             decode = self._locked(llm._decode_output)
@@ -64,13 +75,37 @@ class ServerState:
         self.info = protocol.ModelInfo(
             name=self.model_name, max_len=self.engine.max_len,
             # Text prompts start with BOS (token ids are taken as given), as tokenizer_config.json says.
-            encode_text=None if tok is None else self._locked(lambda text, bos=True: tok.encode(text, add_bos=bos)),
-            encode_chat=None if tok is None else self._locked(
-                lambda messages, prompt=True: tok.encode_chat(messages, add_generation_prompt=prompt)),
+            encode_text=None if tok is None else self._encoder(
+                lambda t, text, bos=True: t.encode(text, add_bos=bos), "prompt"),
+            encode_chat=None if tok is None else self._encoder(
+                lambda t, messages, prompt=True: t.encode_chat(messages, add_generation_prompt=prompt), "messages"),
             decode=decode, validate=self.engine.validate,   # reads only the engine's fixed sizes
             max_choices=self.max_running + self.max_queued)
         self.token_piece = self._locked(TokenPieces(tok))
         self.worker = EngineWorker(self.engine, spec, self.metrics, decode=decode, token_piece=self.token_piece)
+
+    def _tokenizer(self):
+        """This parse thread's own copy of the tokenizer (the shared one, taking turns,
+        where it cannot be copied)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            try:
+                tok = copy.deepcopy(self.llm.tokenizer)
+            except Exception:   # noqa: BLE001 - an uncopyable backend: share it under the lock
+                tok = _Shared(self.llm.tokenizer, self._tok_lock)
+            self._local.tokenizer = tok
+        return tok
+
+    def _encoder(self, encode, param: str):
+        """encode(tokenizer, x) with this thread's tokenizer; a ValueError or TypeError the
+        client's text or messages cause is a 400 naming `param` (the message's index and
+        field, for a chat template's rules)."""
+        def call(*args):
+            try:
+                return encode(self._tokenizer(), *args)
+            except (ValueError, TypeError) as e:
+                raise _client_error(e, param) from None
+        return call
 
     def _locked(self, fn):
         def call(*args):
@@ -88,15 +123,65 @@ class ServerState:
         self.worker.cancel_all()
 
 
+class _Shared:
+    """A tokenizer shared between threads: each call takes the lock."""
+
+    def __init__(self, tok, lock: threading.Lock):
+        self._tok, self._lock = tok, lock
+
+    def encode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.encode(*args, **kwargs)
+
+    def encode_chat(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.encode_chat(*args, **kwargs)
+
+
+_MESSAGE_RE = re.compile(r"message (\d+): (.*)", re.S)
+
+
+def _client_error(e: Exception, param: str) -> APIError:
+    """A 400 for an error the client's input caused, naming the parameter: for a chat
+    template's "message i: ..." its message and field (``messages[1].role``)."""
+    text = str(e)
+    m = _MESSAGE_RE.match(text)
+    if m is not None and param == "messages":
+        field = "content" if "content" in m.group(2) else "role"
+        param, text = f"messages[{m.group(1)}].{field}", m.group(2)
+    return APIError(400, f"{param}: {text}", param)
+
+
+def parse_body(raw: bytes, parse, info: protocol.ModelInfo) -> GenerationRequest:
+    """A request body's bytes -> the checked request (a parse thread runs this): APIError
+    for anything wrong, a ValueError or TypeError of the client's making included."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return parse(body, info)
+    except (ValueError, TypeError, RecursionError) as e:    # APIError is neither: it passes
+        raise APIError(400, f"invalid request: {type(e).__name__}: {str(e)[:300]}") from None
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.worker.start()
+        # The engine thread owns the LLM while serving: offline calls on it are refused.
+        state.llm.claim("serving", blocking=False)
         try:
-            yield
+            state.worker.start()
+            try:
+                yield
+            finally:
+                state.draining = True
+                await asyncio.get_running_loop().run_in_executor(None, state.worker.stop, 30.0)
+                state.parse_pool.shutdown(wait=False, cancel_futures=True)
         finally:
-            state.draining = True
-            await asyncio.get_running_loop().run_in_executor(None, state.worker.stop, 30.0)
+            state.llm.release()
 
     app = FastAPI(title="branchspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.branchspec = state
@@ -163,7 +248,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         try:
             check_key(request)
-            req = protocol.parse_tokenize(await read_json(request), state.info)
+            raw = await read_body(request, state.body_timeout)
+            req = await asyncio.get_running_loop().run_in_executor(state.parse_pool, parse_body, raw,
+                                                                   protocol.parse_tokenize, state.info)
         except APIError as e:
             return error(e)
         strs = [state.token_piece(t)[0] for t in req.ids] if req.return_token_strs else None
@@ -174,10 +261,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def detokenize(request: Request) -> Response:
         try:
             check_key(request)
-            ids = protocol.parse_detokenize(await read_json(request), state.info, state.engine.cfg.vocab_size)
+            raw = await read_body(request, state.body_timeout)
+            vocab = state.engine.cfg.vocab_size
+            ids = await asyncio.get_running_loop().run_in_executor(
+                state.parse_pool, parse_body, raw, lambda body, info: protocol.parse_detokenize(body, info, vocab),
+                state.info)
         except APIError as e:
             return error(e)
-        return JSONResponse({"prompt": state.info.decode(ids)})
+        text = await asyncio.get_running_loop().run_in_executor(state.parse_pool, state.info.decode, ids)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -193,7 +285,9 @@ def create_app(state: ServerState) -> FastAPI:
             if state.draining or not state.worker.alive:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                                status_label="rejected")
-            req = parse(await read_json(request), state.info)
+            raw = await read_body(request, state.body_timeout)
+            req = await asyncio.get_running_loop().run_in_executor(state.parse_pool, parse_body, raw, parse,
+                                                                   state.info)
             if state.in_flight + req.num_choices > state.max_running + state.max_queued:
                 raise APIError(503, f"the queue is full ({state.max_running} running and {state.max_queued} "
                                     "queued requests); retry later", type="server_error", code="queue_full",
@@ -325,20 +419,20 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-async def read_json(request: Request) -> dict:
+async def read_body(request: Request, timeout: float) -> bytes:
+    """The whole body, within `timeout` seconds (408 after) and MAX_BODY_BYTES (413)."""
     size, parts = 0, []
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        parts.append(part)
     try:
-        body = json.loads(b"".join(parts))
-    except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
-        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+        async with asyncio.timeout(timeout):
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+                parts.append(part)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds ({size} bytes came)",
+                       code="request_timeout") from None
+    return b"".join(parts)
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -103,7 +103,8 @@ class SpeculativeRound:
         # Each node's own rules (bias, min_tokens, penalties) see only its own prefix: the
         # committed output and its path in the tree. Logprobs stay the raw logits'.
         logits = process_logits(out.logits, batch.sampling.rules, NodePaths.tree(tree.tokens, meta.ancestor))
-        target = target_tokens(logits, batch.sampling)                      # [B, D]
+        # Each node sits at L + its depth and draws the token one further.
+        target = target_tokens(logits, batch.sampling, meta.positions + 1)   # [B, D]
         # A round never commits past a request's token budget (its pages were sized for it).
         acc = accept(tree.tokens, tree.parents, target, max_path_len=batch.budget + 1)
         path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]

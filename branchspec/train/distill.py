@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from branchspec.checkpoint import load_checkpoint, save_checkpoint
+from branchspec.checkpoint.folder import check_new_folder, new_folder
 from branchspec.data.tokenizer import Tokenizer
 from branchspec.model.metadata import chain_meta
 from branchspec.train.data import BatchSampler, Streams, eval_windows
@@ -87,8 +88,10 @@ def distill_drafter(checkpoint: str | Path, out: str | Path, cfg: DistillConfig 
     """Write `out`: `checkpoint` (a branchspec folder) with its MTP block fine-tuned to
     the target, weights stored in the source's dtype so the target's are bit for bit the
     same; its tokenizer; and training.json extended with a record in `drafter_distillations`
-    (settings, loss history, held-out numbers before and after)."""
+    (settings, loss history, held-out numbers before and after). `out` must not exist or be
+    empty; it is written all or nothing."""
     src, out = Path(checkpoint), Path(out)
+    check_new_folder(out)            # before minutes of work, not after
     stored = _stored_dtype(src)
     model = load_checkpoint(src, "float32")
     if not model.mtp:
@@ -138,7 +141,8 @@ def distill_drafter(checkpoint: str | Path, out: str | Path, cfg: DistillConfig 
         "trained_parameters": sum(p.numel() for p in trained), "history": history,
         "held_out_before": before, "held_out_after": after,
     }]
-    save_checkpoint(model, out, dtype=stored, metadata={"training": info})
-    tok.save(out)
-    (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    with new_folder(out) as tmp:     # all or nothing: an interrupted write leaves no half checkpoint
+        save_checkpoint(model, tmp, dtype=stored, metadata={"training": info})
+        tok.save(tmp)
+        (tmp / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     return out

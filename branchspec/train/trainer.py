@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from branchspec.atomic import write_atomically, write_text
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import ModelConfig, tiny_config, v4_mini_config, v4_mini_v2_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
@@ -25,6 +26,7 @@ from branchspec.model.init import init_weights
 from branchspec.model.model import Transformer
 from branchspec.train.corpora import CORPORA, corpus_fingerprint
 from branchspec.train.data import BatchSampler, Streams, documents, eval_windows
+from branchspec.train import state
 from branchspec.train.losses import lm_losses
 
 MODEL_PRESETS = {"v4-mini": v4_mini_config, "v4-mini-v2": v4_mini_v2_config, "tiny": tiny_config}
@@ -166,33 +168,6 @@ def resolve_precision(precision: str, model_cfg: ModelConfig | None = None, batc
     return ("bfloat16" if probe["bfloat16"] < 0.95 * probe["float32"] else "float32"), probe
 
 
-# -- the compact resume pack ----------------------------------------------------------------
-#
-# state.pt (weights, Adam moments, sampler) resumes exactly but is three times the weights;
-# the pack is what a run keeps in a repository so that it can continue on another machine:
-# float32 weights plus JSON (step, sampler state, history). Adam's moments are not kept: a
-# resume rebuilds them over `reestimate_steps` batches at learning rate 0 (beta2 = 0.95
-# forgets in about 20 steps anyway).
-
-PACK_WEIGHTS, PACK_STATE = "resume.safetensors", "resume.json"
-
-
-def save_pack(out: Path, model: Transformer, record: dict) -> None:
-    from safetensors.torch import save_file
-
-    tmp = out / (PACK_WEIGHTS + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    tmp.replace(out / PACK_WEIGHTS)
-    (out / PACK_STATE).write_text(json.dumps(record) + "\n")
-
-
-def load_pack(out: Path, model: Transformer) -> dict:
-    from safetensors.torch import load_file
-
-    model.load_state_dict(load_file(str(out / PACK_WEIGHTS)))
-    return json.loads((out / PACK_STATE).read_text())
-
-
 @torch.no_grad()
 def evaluate(model: Transformer, windows: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
     """Held-out next-token loss / perplexity, MTP loss and the drafter's top-1 agreement with
@@ -233,7 +208,7 @@ def plot_losses(history: list[dict], evals: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")   # `path` may be a temporary name
     plt.close(fig)
 
 
@@ -241,11 +216,18 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
           progress: bool = True, stop_after: int | None = None) -> Path | None:
     """Run (or resume) training; returns the exported checkpoint folder.
 
-    `resume` continues from OUT/state.pt (exact: weights, Adam moments, sampler), else
-    from OUT's compact pack (weights and sampler; moments rebuilt). `stop_after` ends this
-    run after that many steps (state saved, nothing exported, None returned) without
-    changing the schedule, so a long run can be split across sittings and machines."""
+    `resume` continues from OUT/state.json (exact: weights, Adam moments, sampler), else
+    from OUT's compact pack (weights and sampler; moments rebuilt); see `train.state`. A
+    folder with neither, or only an older version's pickled state.pt, is refused
+    (ResumeError naming the file), as is an OUT that is a file. `stop_after` ends this run
+    after that many steps (state saved, nothing exported, None returned) without changing
+    the schedule, so a long run can be split across sittings and machines."""
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"the run folder {out} is a file; give --out a folder (new or a run's)")
+    source = state.resume_source(out) if resume else None
+    if source is not None:
+        state.check_resumable(out, source, cfg.steps)     # before any work
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     t_setup = time.perf_counter()
@@ -265,28 +247,26 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     precision, precision_probe = resolve_precision(cfg.precision, model_cfg, seq_len=cfg.seq_len)
     if cfg.compile:
         model.forward = torch.compile(model.forward)
-    state_path = out / "state.pt"
     step, history, evals, elapsed, sittings = 0, [], [], 0.0, []
     reestimate = 0
-    if resume and state_path.is_file():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        sampler.set_state(st["sampler"])
+    if source is not None:
+        if source == "state":
+            st, where = state.load_state(out, model, opt, cfg.steps), out / state.STATE_FILE
+        else:
+            st, where = state.load_pack(out, model, cfg.steps), out / state.PACK_STATE
+            reestimate = cfg.reestimate_steps
+        try:
+            sampler.set_state(st["sampler"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise state.ResumeError(f"{where}: field 'sampler' is not a batch sampler's state ({e})") from None
         step, history, evals, elapsed = st["step"], st["history"], st["evals"], st["elapsed"]
         sittings = st.get("sittings", [])
-    elif resume and (out / PACK_STATE).is_file():
-        st = load_pack(out, model)
-        sampler.set_state(st["sampler"])
-        step, history, evals, elapsed = st["step"], st["history"], st["evals"], st["elapsed"]
-        sittings = st.get("sittings", [])
-        reestimate = cfg.reestimate_steps
-    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    state.remove_leftovers(out)                  # what interrupted saves left behind
+    write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     setup_seconds = time.perf_counter() - t_setup
     sitting = {"start_step": step, "precision": precision, "compile": cfg.compile, "threads": torch.get_num_threads(),
                "cpu": _cpu_name(), "torch": torch.__version__, "precision_probe_seconds": precision_probe,
-               "resumed_from": (
-                   "state.pt" if resume and state_path.is_file() else "pack" if reestimate else None)}
+               "resumed_from": {"state": state.STATE_FILE, "pack": "pack", None: None}[source]}
     sittings.append(sitting)
 
     def record() -> dict:
@@ -295,9 +275,9 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
 
     def save_state():
         sitting.update(end_step=step)
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **record()}, state_path)
-        save_pack(out, model, record())
-        plot_losses(history, evals, out / "loss.png")
+        state.save_state(out, model.state_dict(), opt.state_dict(), record())
+        state.save_pack(out, model, record())
+        write_atomically(out / "loss.png", lambda tmp: plot_losses(history, evals, tmp))
 
     def losses(ids):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
@@ -372,8 +352,8 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     }
     save_checkpoint(model.eval(), folder, dtype="bfloat16", metadata={"training": info})
     tok.save(folder)
-    (folder / "training.json").write_text(json.dumps(info, indent=2) + "\n")
-    plot_losses(history, evals, folder / "loss.png")
+    write_text(folder / "training.json", json.dumps(info, indent=2) + "\n")
+    write_atomically(folder / "loss.png", lambda tmp: plot_losses(history, evals, tmp))
     return folder
 
 

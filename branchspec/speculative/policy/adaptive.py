@@ -53,6 +53,7 @@ import numpy as np
 
 from branchspec.config import AutoPolicy, ModelConfig, SpecConfig, spec_label
 from branchspec.speculative.policy.acceptance import NEW_REQUEST, AcceptanceStats
+from branchspec.speculative.footprint import RoundLimits
 from branchspec.speculative.policy.base import BatchView, check_speculation
 from branchspec.speculative.policy.costs import CostModel
 from branchspec.speculative.policy.tuning import TUNING, Tuning
@@ -109,9 +110,9 @@ class AdaptivePolicy:
         if self._costs is None:
             self._costs = self._make_costs(self.policy, progress)
 
-    def check(self, cfg: ModelConfig, has_drafter: bool) -> None:
+    def check(self, cfg: ModelConfig, has_drafter: bool, limits: RoundLimits | None = None) -> None:
         if self.uses_drafter:
-            check_speculation(self.policy.speculative, cfg, has_drafter)
+            check_speculation(self.policy.speculative, cfg, has_drafter, limits)
 
     def defer_drafter(self, batch_size: int, context: float) -> bool:
         """The drafter's prefill runs with the target's, as a fixed configuration's does,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from branchspec.config import ModelConfig, SpecConfig
+from branchspec.speculative.footprint import RoundLimits, check_round_memory
 from branchspec.speculative.round import RoundResult
 
 
@@ -32,8 +33,9 @@ class SpecPolicy(Protocol):
     counts: Counter                # rounds run per configuration label
     decide_seconds: float          # time spent choosing and learning
 
-    def check(self, cfg: ModelConfig, has_drafter: bool) -> None:
-        """ValueError naming what the model lacks to run this policy."""
+    def check(self, cfg: ModelConfig, has_drafter: bool, limits: RoundLimits | None = None) -> None:
+        """ValueError naming what the model lacks to run this policy, or the knob whose
+        rounds would not fit the engine's `limits` (batch, lengths, free memory)."""
 
     def prepare(self, progress: bool = False) -> None:
         """Measure now what the policy would otherwise measure on first use."""
@@ -50,10 +52,13 @@ class SpecPolicy(Protocol):
         """The request finished or was preempted."""
 
 
-def check_speculation(specs: tuple[SpecConfig, ...], cfg: ModelConfig, has_drafter: bool) -> None:
-    """Can a model speculate with these configurations? ValueError naming what is missing."""
+def check_speculation(specs: tuple[SpecConfig, ...], cfg: ModelConfig, has_drafter: bool,
+                      limits: RoundLimits | None = None) -> None:
+    """Can a model speculate with these configurations on an engine of these `limits`?
+    ValueError naming what is missing, or the knob that does not fit."""
     if not has_drafter:
         raise ValueError("speculative decoding needs a drafter, and this checkpoint has no MTP "
                          "block (num_mtp_layers=0); decode plainly (spec=None, or --speculative-algorithm NONE)")
     for spec in specs:
         spec.check_model(cfg.vocab_size)
+        check_round_memory(spec, cfg, limits)

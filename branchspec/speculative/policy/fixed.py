@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from branchspec.config import ModelConfig, SpecConfig, spec_label
+from branchspec.speculative.footprint import RoundLimits
 from branchspec.speculative.policy.base import BatchView, check_speculation
 from branchspec.speculative.round import RoundResult
 
@@ -24,9 +25,9 @@ class FixedPolicy:
         self.decide_seconds = 0.0
         self._label = spec_label(spec)
 
-    def check(self, cfg: ModelConfig, has_drafter: bool) -> None:
+    def check(self, cfg: ModelConfig, has_drafter: bool, limits: RoundLimits | None = None) -> None:
         if self.spec is not None:
-            check_speculation((self.spec,), cfg, has_drafter)
+            check_speculation((self.spec,), cfg, has_drafter, limits)
 
     def prepare(self, progress: bool = False) -> None:
         pass
