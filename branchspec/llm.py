@@ -229,11 +229,11 @@ class LLM:
         return Engine(self.model, self.engine_config, decode=decode, seed=self.seed,
                       stop_token_ids=tuple(sorted(stop_ids)), draft_vocab=self.draft_vocab)
 
-    def _decode_output(self, ids: list[int]) -> str:
+    def _decode_output(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of generated ids. A model's vocabulary may be padded past its tokenizer's
         (real V4 checkpoints are); ids in the padding have no text and are skipped."""
         known = self.tokenizer.vocab_size
-        return self.tokenizer.decode([i for i in ids if i < known])
+        return self.tokenizer.decode([i for i in ids if i < known], skip_special_tokens=skip_special_tokens)
 
     def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
         """Run short dummy generations at each batch size with `spec`, so that a compiled

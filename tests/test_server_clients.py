@@ -324,7 +324,7 @@ def test_bad_values_get_400_naming_the_param(server):
         ("/v1/completions", {**hi, "add_special_tokens": 1}, "add_special_tokens"),
         ("/v1/completions", {**hi, "best_of": 2}, "best_of"),
         ("/v1/completions", {**hi, "use_beam_search": True}, "use_beam_search"),
-        ("/v1/completions", {**hi, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ("/v1/completions", {**hi, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
         ("/v1/completions", {**hi, "guided_json": {}}, "guided_json"),
         ("/v1/completions", {**hi, "stream": True, "stream_options": {"continuous_usage_stats": True}},
          "stream_options.continuous_usage_stats"),     # needs include_usage, as in vLLM

@@ -30,7 +30,9 @@ class SamplingParams:
 
     seed: None draws a fresh seed per request; an integer in [0, 2**64) makes the request
     reproducible whatever else runs in its batch. stop: strings that end the output, which
-    is cut before the first one found (the stop string itself is not returned).
+    is cut before the first one found (the stop string itself is not returned unless
+    include_stop_str_in_output, which also keeps a stop id's text). skip_special_tokens
+    (default True): special tokens have no text in the output, as in vLLM.
     stop_token_ids: token ids that end the output as EOS does (the id is kept in token_ids,
     its text is not), even with ignore_eos. min_tokens: no EOS, stop id or stop string
     ends the output before this many tokens.
@@ -74,6 +76,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         own = "SamplingParams"
@@ -104,6 +108,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(own, self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids(own, "stop_token_ids", self.stop_token_ids))
         check_bool(own, "ignore_eos", self.ignore_eos)
+        check_bool(own, "include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool(own, "skip_special_tokens", self.skip_special_tokens)
         object.__setattr__(self, "n", check_int(own, "n", self.n, minimum=1))
         for name in ("presence_penalty", "frequency_penalty"):
             value = check_float(own, name, getattr(self, name))

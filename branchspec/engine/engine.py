@@ -32,7 +32,7 @@ from branchspec.speculative.round import RoundResult
 
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 decode: Callable[[list[int]], str] | None = None, seed: int | None = None,
+                 decode: Callable[[list[int], bool], str] | None = None, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), draft_vocab: DraftVocab | None = None):
         """draft_vocab: the tokens the drafter may propose (a reduced draft vocabulary);
         None: all of them."""
@@ -268,20 +268,26 @@ class Engine:
                 seq.finish_reason = FinishReason.STOP
                 seq.stop_reason = t if t in params.stop_token_ids else None
                 if self.decode is not None:
-                    seq.output_text = self.decode(seq.output_ids[:-1])
+                    kept = seq.output_ids if params.include_stop_str_in_output else seq.output_ids[:-1]
+                    seq.output_text = self._text(seq, kept)
                 return
             if params.stop and self.decode is not None and len(seq.output_ids) >= params.min_tokens:
-                text = self.decode(seq.output_ids)
-                start = len(self.decode(seq.output_ids[:params.min_tokens])) if params.min_tokens else 0
+                text = self._text(seq, seq.output_ids)
+                start = len(self._text(seq, seq.output_ids[:params.min_tokens])) if params.min_tokens else 0
                 hits = sorted((at, s) for s in params.stop if (at := text.find(s, start)) >= 0)
                 if hits:
-                    seq.output_text = text[: hits[0][0]]
+                    at, stop = hits[0]
+                    seq.output_text = text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                     seq.finish_reason = FinishReason.STOP
                     seq.stop_reason = hits[0][1]
                     return
             if seq.num_remaining <= 0:
                 seq.finish_reason = FinishReason.LENGTH
                 return
+
+    def _text(self, seq: Sequence, ids: list[int]) -> str:
+        """The text of a request's output ids, special tokens included only if it asked."""
+        return self.decode(ids, seq.params.skip_special_tokens)
 
     def _free(self, seq: Sequence) -> None:
         """Return a request's pages; its drafter state goes with them."""
@@ -302,7 +308,7 @@ class Engine:
         for policy in self._policies.values():
             policy.forget(seq.seq_id)
         if self.decode is not None and seq.output_text is None:
-            seq.output_text = self.decode(seq.output_ids)
+            seq.output_text = self._text(seq, seq.output_ids)
 
     def abort(self, seq: Sequence) -> None:
         """Take a request out wherever it is (queued or running) and return its pages.
@@ -318,7 +324,7 @@ class Engine:
             policy.forget(seq.seq_id)
         seq.finish_reason = FinishReason.ABORT
         if self.decode is not None and seq.output_text is None:
-            seq.output_text = self.decode(seq.output_ids)
+            seq.output_text = self._text(seq, seq.output_ids)
 
     def requeue(self, seq: Sequence) -> None:
         """Put an unfinished request back at the front of the queue with no cached state,

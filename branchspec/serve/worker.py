@@ -188,7 +188,8 @@ class EngineWorker:
             log.exception("could not add a request")
             job.push(Output(index=job.index, error=f"{type(e).__name__}: {e}", prompt_tokens=len(job.prompt_ids)))
             return
-        job.text = IncrementalText(self.decode, job.params.stop)
+        decode, skip = self.decode, job.params.skip_special_tokens
+        job.text = IncrementalText(None if decode is None else (lambda ids: decode(ids, skip)), job.params.stop)
         self._jobs[job.seq.seq_id] = job
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
 
