@@ -71,7 +71,7 @@ def test_sampled_calibrated_follows_target_distribution(tmp_path):
     chi2 = (((counts - expected) ** 2 / expected)[mask]).sum().item()
     assert chi2_sf(chi2, int(mask.sum()) - 1) > 1e-3, chi2
     model = llm.engine.drafter.calibration
-    prior = model.prior_hits / model.prior_tries
+    prior = model.prior_hits / model.prior_mass
     greedy, sampled = ((h / t) for h, t in model.global_counts)
     assert torch.allclose(greedy, prior), "sampled rounds must not teach the greedy estimates"
     assert not torch.allclose(sampled, prior), "the sampled rounds taught it nothing"
@@ -97,13 +97,14 @@ def test_state_after_calibrated_rounds_equals_sequential(trained_ckpt, prompts, 
         assert_same_state(engine.cache.snapshot(seq.seq_id, L, mtp_length=L), {**ref.snapshot(0, L), **drafter})
 
 
-def _taught(model: AcceptanceModel, q_main_first: float, q_siblings: float) -> None:
-    """Set the engine-wide greedy estimates: the drafter's first guess on its main line is
-    accepted with q_main_first, every other edge with q_siblings."""
-    hits, tries = model.global_counts[GREEDY]
-    tries.fill_(1000.0)
-    hits.fill_(1000.0 * q_siblings)
-    hits[0, :, 0] = 1000.0 * q_main_first
+def _taught(model: AcceptanceModel, c_main_first: float, c_others: float) -> None:
+    """Set the engine-wide greedy calibration: the drafter's first guess on its main line is
+    accepted c_main_first times as often as its probability says, every other edge
+    c_others times."""
+    hits, mass = model.global_counts[GREEDY]
+    mass.fill_(1000.0)
+    hits.fill_(1000.0 * c_others)
+    hits[0, :, 0] = 1000.0 * c_main_first
 
 
 def _tree_of(llm: LLM, prompt: list[int], spec: SpecConfig):
@@ -121,17 +122,18 @@ def _tree_of(llm: LLM, prompt: list[int], spec: SpecConfig):
 def test_the_selection_keeps_the_chain_or_widens_as_acceptance_says(trained_ckpt, prompts):
     llm = LLM(trained_ckpt, dtype="float64", max_batch_size=2)
     spec = SpecConfig(5, 2, 6, selection="calibrated")
-    _taught(llm.engine.drafter.calibration, q_main_first=0.95, q_siblings=0.05)
+    _taught(llm.engine.drafter.calibration, c_main_first=100.0, c_others=0.01)
     tree = _tree_of(llm, prompts[1], spec)
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4], "first guesses always accepted: the chain"
-    _taught(llm.engine.drafter.calibration, q_main_first=0.3, q_siblings=0.3)
+    _taught(llm.engine.drafter.calibration, c_main_first=0.001, c_others=100.0)
     tree = _tree_of(llm, prompts[1], spec)
-    depth1 = (tree.parents[0] == 0).sum().item()
-    assert depth1 == 2, "every edge alike: the shallow nodes are worth more, both root children kept"
-    # The EAGLE-2 selection ignores what was measured.
+    depth1 = (tree.parents[0] == 0).nonzero().flatten().tolist()
+    assert len(depth1) == 1 and tree.tokens[0, depth1[0]] == tree.children[0, 0, 1], \
+        "first guesses never accepted, second ones always: the tree follows the root's second proposal"
+    # No evidence: the calibrated selection is EAGLE-2's.
+    llm.engine.drafter.calibration = AcceptanceModel()
     eagle = _tree_of(llm, prompts[1], SpecConfig(5, 2, 6))
-    _taught(llm.engine.drafter.calibration, q_main_first=0.95, q_siblings=0.05)
-    assert _tree_of(llm, prompts[1], SpecConfig(5, 2, 6)).parents.tolist() == eagle.parents.tolist()
+    assert _tree_of(llm, prompts[1], spec).parents.tolist() == eagle.parents.tolist()
 
 
 def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
@@ -142,13 +144,16 @@ def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
     logp = torch.tensor([[[0.6, 0.3], [0.45, 0.25], [0.0, 0.0]]], dtype=torch.float64).log()
     targets = torch.tensor([[8, 6, -1]])
     model.observe([3], [GREEDY], children, logp, targets)
-    h, t = model.requests[3]
+    h, m = model.requests[3]
     b = model.bucket(torch.tensor([0.6, 0.3, 0.45, 0.25])).tolist()
-    assert t[0, 0, 0, b[0]] == 1 and h[0, 0, 0, b[0]] == 0          # main line, depth 1, rank 1: a miss
-    assert t[0, 0, 1, b[1]] == 1 and h[0, 0, 1, b[1]] == 1          # rank 2: the hit
-    assert t[1, 1, 0, b[2]] == 1 and t[1, 1, 1, b[3]] == 1 and h[1].sum() == 0   # off the line, depth 2
-    assert t.sum() == 4 and h.sum() == 1
-    log_q = model.log_acceptance([3], [GREEDY])
-    assert log_q.shape == (1, 2, MAX_DEPTH, model.R, len(model.edges) + 1) and (log_q <= 0).all()
+    assert m[0, 0, 0, b[0]] == pytest.approx(0.6) and h[0, 0, 0, b[0]] == 0   # main line, depth 1, rank 1: a miss
+    assert m[0, 0, 1, b[1]] == pytest.approx(0.3) and h[0, 0, 1, b[1]] == 1   # rank 2: the hit
+    assert m[1, 1, 0, b[2]] == pytest.approx(0.45) and m[1, 1, 1, b[3]] == pytest.approx(0.25)   # off the line
+    assert h[1].sum() == 0 and m.sum() == pytest.approx(1.6) and h.sum() == 1
+    log_c = model.log_factors([3], [GREEDY])
+    assert log_c.shape == (1, 2, MAX_DEPTH, model.R, len(model.edges) + 1)
+    assert log_c[0, 0, 0, 1, b[1]] > 0 > log_c[0, 0, 0, 0, b[0]], "the hit raises its cell's factor, the miss lowers"
+    values = model.edge_log_values(log_c, 1, torch.ones(1, 1, dtype=torch.bool), logp[:, :1])
+    assert (values <= 0).all()
     model.forget(3)
     assert 3 not in model.requests

@@ -251,7 +251,7 @@ class MTPDrafter:
         log_q = None
         if spec.selection == "calibrated":
             modes = [GREEDY if g else SAMPLED for g in (greedy or [True] * len(seq_ids))]
-            log_q = self.calibration.log_acceptance(seq_ids, modes)
+            log_q = self.calibration.log_factors(seq_ids, modes)
         return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q)
 
     def learn(self, seq_ids: list[int], greedy: list[bool], children: torch.Tensor, children_logp: torch.Tensor,
@@ -268,7 +268,7 @@ class MTPDrafter:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
         committed: the drafter's KV for positions < L (from the paged pool); root: the
         drafter's output at the root when already computed (`DraftRoot`); log_q: the
-        calibrated selection's log acceptance tables (`AcceptanceModel.log_acceptance`),
+        calibrated selection's log calibration factors (`AcceptanceModel.log_factors`),
         None for EAGLE-2's cumulative draft log-probability.
 
         Candidates carry two scores: `cand_score`, the cumulative draft log-probability,
