@@ -27,11 +27,13 @@ WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
 
 
 def calibrated_shapes(D: int) -> list[SpecConfig]:
-    """Deep calibrated shapes: as deep as the budget allows, two and three wide."""
+    """The EAGLE-2 grid's shapes with the calibrated selection, and deep ones: as deep as
+    the budget allows, two and three wide."""
+    shapes = [(s.num_steps, s.topk) for s in default_tree_shapes(D)] + [(D - 1, 2), (D - 1, 3)]
     out = []
-    for topk in (2, 3):
+    for steps, topk in dict.fromkeys(shapes):
         try:
-            out.append(SpecConfig(D - 1, topk, D, selection="calibrated"))
+            out.append(SpecConfig(steps, topk, D, selection="calibrated"))
         except ValueError:
             pass
     return out

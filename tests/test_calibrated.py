@@ -114,7 +114,7 @@ def _tree_of(llm: LLM, prompt: list[int], spec: SpecConfig):
     engine._admit(engine.policy(spec))
     try:
         L = torch.tensor([seq.num_committed])
-        return engine.drafter.propose([seq.seq_id], L, torch.tensor([seq.root_id]), spec, [True])
+        return engine.drafter.propose([seq.seq_id], L, torch.tensor([seq.root_id]), spec, [0.0])
     finally:
         engine.abort(seq)
 

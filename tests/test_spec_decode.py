@@ -65,7 +65,7 @@ def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, 
     original = drafter._grow
     rounds = {"reused": 0, "computed": 0}
 
-    def checked(root_ids, prev_hidden, L, committed, spec, root, log_q=None):
+    def checked(root_ids, prev_hidden, L, committed, spec, root, log_q=None, scale=None):
         if root is None:
             rounds["computed"] += 1
         else:
@@ -75,7 +75,7 @@ def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, 
             torch.testing.assert_close(root.k, own.scratch[0].k, atol=1e-10, rtol=0)
             torch.testing.assert_close(root.hidden, own.hidden, atol=1e-10, rtol=0)
             torch.testing.assert_close(root.logits, drafter.model.mtp_logits(own.hidden[:, 0]), atol=1e-10, rtol=0)
-        return original(root_ids, prev_hidden, L, committed, spec, root, log_q)
+        return original(root_ids, prev_hidden, L, committed, spec, root, log_q, scale)
 
     monkeypatch.setattr(drafter, "_grow", checked)
     assert [o.token_ids for o in llm.generate(prompts, params, spec=spec)] == plain

@@ -105,10 +105,10 @@ class Drafter(Protocol):
     def catch_up(self, seq_ids: list[int], lengths: torch.Tensor) -> None: ...
 
     def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig,
-                greedy: list[bool] | None = None) -> DraftTree: ...
+                temperature: list[float] | None = None) -> DraftTree: ...
 
-    def learn(self, seq_ids: list[int], greedy: list[bool], children: torch.Tensor, children_logp: torch.Tensor,
-              targets: torch.Tensor) -> None: ...
+    def learn(self, seq_ids: list[int], temperature: list[float], children: torch.Tensor,
+              children_logp: torch.Tensor, targets: torch.Tensor) -> None: ...
 
     def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,
                path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None: ...
@@ -149,6 +149,17 @@ class MTPDrafter:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafter logits [..., N] over the drafted vocabulary at hidden states [..., n*d]."""
         return self.model.mtp_logits(hidden, self.head_rows)
+
+    @staticmethod
+    def _value_logp(logits: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None,
+                    logp: torch.Tensor) -> torch.Tensor:
+        """The drafter's log-probabilities of the chosen children (index [..., k] into the
+        logits' last dim) at each request's temperature (scale [B]); `logp` (already at
+        temperature 1) when no scale is given."""
+        if scale is None:
+            return logp
+        view = scale.view(-1, *([1] * (logits.dim() - 1)))
+        return torch.log_softmax(logits.float() / view, dim=-1).gather(-1, index)
 
     def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Positions in the drafted vocabulary -> target token ids (same shape)."""
@@ -238,38 +249,43 @@ class MTPDrafter:
 
     @torch.no_grad()
     def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig,
-                greedy: list[bool] | None = None) -> DraftTree:
+                temperature: list[float] | None = None) -> DraftTree:
         """Grow one draft tree per request. lengths: [B] committed L; roots: [B] the root
-        tokens (at position L); greedy: per request, whether it decodes greedily (the
-        calibrated selection keeps greedy and sampled acceptance apart). The drafter must
-        have followed every committed position (`catch_up` first)."""
+        tokens (at position L); temperature: per request, its sampling temperature (0:
+        greedy; the calibrated selection keeps greedy and sampled acceptance apart, and
+        values a sampled request's nodes by the drafter's distribution at its temperature,
+        since its target draws at that temperature). The drafter must have followed every
+        committed position (`catch_up` first)."""
         missing = [sid for sid in seq_ids if sid not in self.states or self.states[sid].last_hidden is None]
         if missing:
             raise RuntimeError(f"the drafter has not followed requests {missing}: no target hidden state to start from")
         prev_hidden = torch.stack([self.states[sid].last_hidden for sid in seq_ids])   # [B, d]
         root = self._roots_ahead(seq_ids, lengths.tolist())
-        log_q = None
+        log_q = scale = None
         if spec.selection == "calibrated":
-            modes = [GREEDY if g else SAMPLED for g in (greedy or [True] * len(seq_ids))]
-            log_q = self.calibration.log_factors(seq_ids, modes)
-        return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q)
+            temps = temperature or [0.0] * len(seq_ids)
+            log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps])
+            scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
+        return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q,
+                          scale)
 
-    def learn(self, seq_ids: list[int], greedy: list[bool], children: torch.Tensor, children_logp: torch.Tensor,
-              targets: torch.Tensor) -> None:
+    def learn(self, seq_ids: list[int], temperature: list[float], children: torch.Tensor,
+              children_logp: torch.Tensor, targets: torch.Tensor) -> None:
         """What a verified round says about acceptance (`calibration.AcceptanceModel.observe`):
         the proposals after each accepted-path node [B, D, k], their log-probabilities, and
         the target's token there [B, D]."""
-        self.calibration.observe(seq_ids, [GREEDY if g else SAMPLED for g in greedy], children, children_logp,
-                                 targets)
+        self.calibration.observe(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temperature], children,
+                                 children_logp, targets)
 
     def _grow(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
               committed: LayerState, spec: SpecConfig, root: DraftRoot | None,
-              log_q: torch.Tensor | None = None) -> DraftTree:
+              log_q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> DraftTree:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
         committed: the drafter's KV for positions < L (from the paged pool); root: the
         drafter's output at the root when already computed (`DraftRoot`); log_q: the
         calibrated selection's log calibration factors (`AcceptanceModel.log_factors`),
-        None for EAGLE-2's cumulative draft log-probability.
+        None for EAGLE-2's cumulative draft log-probability; scale: [B] the temperature
+        the calibrated selection reads each request's drafter distribution at (1: greedy).
 
         Candidates carry two scores: `cand_score`, the cumulative draft log-probability,
         and `cand_value`, what the selection ranks by (the same score for EAGLE-2; the sum
@@ -288,17 +304,18 @@ class MTPDrafter:
         slot_pos = num_committed[:, None].clone()                   # [B, X]
         slot_hidden = root.hidden                                   # [B, X, d]
         logp = torch.log_softmax(root.logits.float(), dim=-1)
-        cand_score, cand_tok = logp.topk(k, dim=-1)                 # [B, k]
-        cand_tok = self._token_ids(cand_tok)
+        cand_score, cand_index = logp.topk(k, dim=-1)               # [B, k]
+        cand_tok = self._token_ids(cand_index)
         root_main = torch.ones(B, 1, dtype=torch.bool, device=device)
+        root_lp = self._value_logp(root.logits, cand_index, scale, cand_score)          # [B, k]
         cand_value = cand_score if log_q is None else \
-            self.calibration.edge_log_values(log_q, 1, root_main, cand_score[:, None])[:, 0]
+            self.calibration.edge_log_values(log_q, 1, root_main, root_lp[:, None])[:, 0]
         cand_main = (torch.arange(k, device=device) == 0).expand(B, k)         # [B, C] on the main line
         cand_parent = torch.full((B, k), -1, dtype=torch.long, device=device)   # candidate index, -1 root
         cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
         cand_anc = torch.ones(B, k, 1, dtype=torch.bool, device=device)         # [B, C, X] ancestor slots
         frontier = torch.arange(k, device=device).expand(B, k)      # candidate indices
-        root_children, root_children_logp = cand_tok, cand_score
+        root_children, root_children_logp = cand_tok, root_lp
         cand_children = torch.full((B, k, k), -1, dtype=torch.long, device=device)   # [B, C, k]
         cand_children_logp = torch.zeros(B, k, k, device=device)                      # their log-probabilities
 
@@ -325,15 +342,16 @@ class MTPDrafter:
 
             # Children: k per frontier node, scored by cumulative log-probability (and
             # valued by the calibrated selection's measured acceptance).
-            logp = torch.log_softmax(self._logits(out.hidden).float(), dim=-1)   # [B, k, N]
-            child_lp, child_tok = logp.topk(k, dim=-1)               # [B, k, k]
-            child_tok = self._token_ids(child_tok)
+            logits = self._logits(out.hidden)                                   # [B, k, N]
+            child_lp, child_index = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)   # [B, k, k]
+            child_tok = self._token_ids(child_index)
+            value_lp = self._value_logp(logits, child_index, scale, child_lp)
             child_score = (cand_score.gather(1, frontier)[..., None] + child_lp).reshape(B, k * k)
             parent_main = cand_main.gather(1, frontier)                          # [B, k]
             if log_q is None:
                 child_value = child_score
             else:
-                edge = self.calibration.edge_log_values(log_q, step + 1, parent_main, child_lp)
+                edge = self.calibration.edge_log_values(log_q, step + 1, parent_main, value_lp)
                 child_value = (cand_value.gather(1, frontier)[..., None] + edge).reshape(B, k * k)
             child_main = (parent_main[..., None] & (torch.arange(k, device=device) == 0)).reshape(B, k * k)
             child_parent = frontier[..., None].expand(B, k, k).reshape(B, k * k)
@@ -347,7 +365,7 @@ class MTPDrafter:
             cand_children = cand_children.scatter(1, frontier[..., None].expand(B, k, k), child_tok)
             cand_children = torch.cat([cand_children, torch.full((B, k * k, k), -1, dtype=torch.long,
                                                                  device=device)], dim=1)
-            cand_children_logp = cand_children_logp.scatter(1, frontier[..., None].expand(B, k, k), child_lp)
+            cand_children_logp = cand_children_logp.scatter(1, frontier[..., None].expand(B, k, k), value_lp)
             cand_children_logp = torch.cat([cand_children_logp, torch.zeros(B, k * k, k, device=device)], dim=1)
             cand_value = torch.cat([cand_value, child_value], dim=1)
             cand_main = torch.cat([cand_main, child_main], dim=1)

@@ -90,8 +90,8 @@ class SpeculativeRound:
         clock.lap("draft_extend")
         catch_up = clock.seconds["draft_extend"]
 
-        greedy = (batch.sampling.temperature == 0).tolist()
-        tree = self.drafter.propose(ids, L, batch.roots, spec, greedy)      # tokens, parents: [B, D]
+        temperature = batch.sampling.temperature.tolist()
+        tree = self.drafter.propose(ids, L, batch.roots, spec, temperature)  # tokens, parents: [B, D]
         clock.lap("draft")
 
         meta = self.executor.verify_meta(tree.parents, L)
@@ -128,7 +128,7 @@ class SpeculativeRound:
         if spec.selection == "calibrated":    # what the next rounds' selection values nodes by
             D, k = tree.children_logp.shape[1:]
             logp = tree.children_logp.gather(1, acc.path[..., None].expand(batch.size, D, k))
-            self.drafter.learn(ids, greedy, children, logp, targets)
+            self.drafter.learn(ids, temperature, children, logp, targets)
         return RoundResult(spec=spec, emitted=emitted, path_len=path_len, logprobs=logprobs,
                            path_children=children, path_targets=targets, phase_seconds=clock.seconds,
                            seconds=time.perf_counter() - t0 - catch_up, catch_up_seconds=catch_up)

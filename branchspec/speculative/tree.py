@@ -26,7 +26,8 @@ class DraftTree:
     # [B, D, topk] the drafter's top-k proposals after each node, best first, whether or not
     # they were kept; -1 for nodes the drafter did not expand. A policy or the calibrated
     # selection compares them with the target's tokens to learn acceptance by depth and
-    # rank without bias; children_logp [B, D, topk] are their draft log-probabilities.
+    # rank without bias; children_logp [B, D, topk] are their draft log-probabilities (for
+    # the calibrated selection, at each request's sampling temperature).
     children: torch.Tensor | None = None
     children_logp: torch.Tensor | None = None
 
