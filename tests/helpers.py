@@ -144,3 +144,30 @@ def sequential_drafter(model, committed: list[int]) -> tuple[dict, torch.Tensor]
     mtp = model.mtp_forward(torch.tensor([committed]), prev, meta, ref.gather_mtp([0], torch.tensor([0])))
     ref.commit_mtp([0], meta, mtp.scratch[0], meta.valid)
     return {"mtp/0": ref.snapshot(0, 0, mtp_length=L)["mtp/0"]}, out.hidden[0, -1]
+
+
+def second_and_third_token_counts(model, prompt: list[int], outs) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Observed counts of (x2, x3), the 2nd and 3rd generated tokens of each output, and
+    their exact expectation under the target: sum over x1 of P(x1) P(x2 | x1) P(x3 | x1, x2),
+    times the number of outputs. Both [V, V] (a tiny vocabulary: V^2 prompts are scored)."""
+    import itertools
+
+    V = model.cfg.vocab_size
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(V), repeat=2)])
+    with torch.no_grad():
+        lp = torch.log_softmax(model.full_forward(seqs)[0].logits, -1)   # [V^2, T+2, V]
+    P = len(prompt)
+    expected = torch.einsum("a,ab,abc->bc", lp[0, P - 1].exp(), lp[:, P, :].exp().view(V, V, V)[:, 0],
+                            lp[:, P + 1, :].exp().view(V, V, V)) * len(outs)
+    return counts, expected
+
+
+def chi2_p_value(counts: "torch.Tensor", expected: "torch.Tensor") -> float:
+    """Chi-square goodness of fit over the cells expecting at least 5."""
+    mask = expected >= 5
+    chi2 = (((counts - expected) ** 2 / expected)[mask]).sum()
+    dof = torch.tensor((int(mask.sum()) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, chi2 / 2).item()

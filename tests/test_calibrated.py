@@ -2,8 +2,6 @@
 sampled following the target's distribution, invariant S), and the trees it keeps follow
 the acceptance it measured."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from branchspec.llm import LLM
 from branchspec.model.init import random_model
 from branchspec.speculative.calibration import GREEDY, MAX_DEPTH, AcceptanceModel
 from conftest import markov_batches
-from test_spec_decode import chi2_sf
+from helpers import chi2_p_value, second_and_third_token_counts
 
 CALIBRATED = [SpecConfig(3, 2, 6, selection="calibrated"), SpecConfig(5, 2, 6, selection="calibrated"),
               SpecConfig(2, 4, 7, selection="calibrated"), SpecConfig(7, 2, 8, selection="calibrated")]
@@ -58,18 +56,8 @@ def test_sampled_calibrated_follows_target_distribution(tmp_path):
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=4000 + i) for i in range(n)]
     outs = llm.generate([prompt] * n, params, spec=SpecConfig(3, 2, 4, selection="calibrated"))
     assert sum(o.num_rounds for o in outs) < 2 * n, "no round accepted a draft"
-    counts = torch.zeros(8, 8, dtype=torch.float64)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(8), repeat=2)])
-    with torch.no_grad():
-        lp = torch.log_softmax(model.full_forward(seqs)[0].logits, -1)
-        P = len(prompt)
-        expected = torch.einsum("a,ab,abc->bc", lp[0, P - 1].exp(), lp[:, P, :].exp().view(8, 8, 8)[:, 0],
-                                lp[:, P + 1, :].exp().view(8, 8, 8)) * n
-    mask = expected >= 5
-    chi2 = (((counts - expected) ** 2 / expected)[mask]).sum().item()
-    assert chi2_sf(chi2, int(mask.sum()) - 1) > 1e-3, chi2
+    counts, expected = second_and_third_token_counts(model, prompt, outs)
+    assert chi2_p_value(counts, expected) > 1e-3
     model = llm.engine.drafter.calibration
     prior = model.prior_hits / model.prior_mass
     greedy, sampled = ((h / t) for h, t in model.global_counts)

@@ -2,7 +2,6 @@
 map's tokens, decoding stays lossless (greedy equal to plain, sampled following the
 target's distribution), and bad maps are refused naming the file."""
 
-import itertools
 import shutil
 
 import numpy as np
@@ -17,7 +16,7 @@ from branchspec.model.init import random_model
 from branchspec.speculative.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, DraftVocabError
 from branchspec.train.draft_vocab import count_predictions
 from conftest import markov_batches
-from test_spec_decode import chi2_sf
+from helpers import chi2_p_value, second_and_third_token_counts
 
 SPECS = [SpecConfig.chain(6), SpecConfig(3, 2, 6), SpecConfig(2, 4, 7)]
 
@@ -86,18 +85,8 @@ def test_sampled_with_a_map_follows_the_target_distribution(tmp_path):
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=3000 + i) for i in range(n)]
     outs = llm.generate([prompt] * n, params, spec=SpecConfig(2, 2, 4))
     assert sum(o.num_rounds for o in outs) < 2 * n, "no round accepted a draft"
-    counts = torch.zeros(8, 8, dtype=torch.float64)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(8), repeat=2)])
-    with torch.no_grad():
-        lp = torch.log_softmax(model.full_forward(seqs)[0].logits, -1)
-        P = len(prompt)
-        expected = torch.einsum("a,ab,abc->bc", lp[0, P - 1].exp(), lp[:, P, :].exp().view(8, 8, 8)[:, 0],
-                                lp[:, P + 1, :].exp().view(8, 8, 8)) * n
-    mask = expected >= 5
-    chi2 = (((counts - expected) ** 2 / expected)[mask]).sum().item()
-    assert chi2_sf(chi2, int(mask.sum()) - 1) > 1e-3, chi2
+    counts, expected = second_and_third_token_counts(model, prompt, outs)
+    assert chi2_p_value(counts, expected) > 1e-3
     # Tokens the drafter can never propose are still emitted (as bonus tokens).
     assert counts[[1, 2, 4, 7]].sum() > 0
 
