@@ -193,7 +193,9 @@ def test_sampled_speculative_follows_target_distribution(tmp_path):
     assert chi2_sf(chi2_u, 63) < 1e-6
 
 
-@pytest.mark.parametrize("spec", [SpecConfig.chain(6), SpecConfig(3, 2, 6)], ids=["chain6", "tree326"])
+@pytest.mark.parametrize("spec", [SpecConfig.chain(6), SpecConfig(3, 2, 6), SpecConfig(3, 2, 6, selection="calibrated"),
+                                  SpecConfig(5, 2, 6, selection="calibrated")],
+                         ids=["chain6", "tree326", "calibrated326", "calibrated526"])
 def test_state_after_speculative_rounds_equals_sequential(trained_ckpt, prompts, spec):
     """Invariant S through the engine: after several rounds, the target state and the
     drafter KV (rebuilt with the target's hidden states by draft-extend) equal what a
