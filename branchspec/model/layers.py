@@ -280,14 +280,16 @@ class Experts(nn.Module):
         for experts it did not choose), then all down projections run as one matmul. No
         shape depends on the routing, so a step compiles into one graph; it does E/k times
         the routed matmul work, which costs less than the grouped path's per-expert calls
-        while experts are few (the embedded models have 4)."""
+        while experts are few (the embedded models have 4). The down projections read w2
+        where it lies (one batched matmul over experts, then their sum): flattening it to
+        [d, E*I] copied every expert's weights on every call, the largest kernel of a
+        compiled decode step."""
         E, I, d = self.w1.shape
         T = gate.shape[0]
         route = torch.zeros(T, E, dtype=gate.dtype, device=gate.device).scatter_add(
             1, indices, weights.to(gate.dtype))                           # [T, E]
-        h = swiglu_hidden(gate.view(T, E, I), up.view(T, E, I), self.limit) * route[..., None]
-        w2 = self.w2.permute(1, 0, 2).reshape(d, E * I)                    # [d, E*I]
-        return F.linear(h.reshape(T, E * I), w2)
+        h = swiglu_hidden(gate.view(T, E, I), up.view(T, E, I), self.limit) * route[..., None]   # [T, E, I]
+        return torch.bmm(h.transpose(0, 1), self.w2.transpose(1, 2)).sum(0)                   # [E, T, d] -> [T, d]
 
     def _few_tokens(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Decode at batch 1: each token's experts one by one, without sorting or scattering
