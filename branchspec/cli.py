@@ -219,7 +219,7 @@ def _serve(args) -> int:
               max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device,
               speculative_token_map=token_map_arg(args.speculative_token_map))
     if args.compile:   # before the port opens: no request waits for a compilation
-        info = llm.warmup(spec, batch_sizes=(1,))
+        info = llm.warmup(spec, batch_sizes=(1, 2) if args.max_running_requests > 1 else (1,))
         logging.getLogger("branchspec.serve").info("fast path ready in %.1f s (%d graphs compiled, %d loaded)",
                                                    info["seconds"], info["graphs"], info["loaded"])
     try:

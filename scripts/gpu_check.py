@@ -59,7 +59,7 @@ def equivalence(device: str) -> list[str]:
     eager = LLM(seed=0, max_batch_size=4, device=device)
     fast = LLM(seed=0, max_batch_size=4, device=device, compile=True)
     for spec in (None, SPECS[1][1], SPECS[2][1]):
-        fast.warmup(spec, batch_sizes=(1,))
+        fast.warmup(spec, batch_sizes=(1, 2))
     for batch in (1, 4):
         plain = tokens(eager, batch, None)
         for name, spec in SPECS:
@@ -93,7 +93,7 @@ def timing(device: str) -> list[dict]:
         llm = LLM(seed=0, max_batch_size=64, device=device, compile=compiled)
         t0 = time.perf_counter()
         for _, spec in SPECS[:2]:
-            llm.warmup(spec, batch_sizes=(1,))
+            llm.warmup(spec, batch_sizes=(1, 2))
         warm = time.perf_counter() - t0
         for batch in (1, 4, 16, 64):
             for name, spec in SPECS[:2]:

@@ -38,20 +38,21 @@ def llms(ckpt, tmp_path_factory):
         eager = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
         fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
         loaded = steps_loaded()
-        warm = {"tree": fast.warmup(TREE, batch_sizes=(1,)), "chain": fast.warmup(CHAIN, batch_sizes=(1,)),
-                "plain": fast.warmup(None, batch_sizes=(1,)), "loaded": steps_loaded() - loaded}
+        warm = {"tree": fast.warmup(TREE, batch_sizes=(1, 2)), "chain": fast.warmup(CHAIN, batch_sizes=(1, 2)),
+                "plain": fast.warmup(None, batch_sizes=(1, 2)), "loaded": steps_loaded() - loaded}
         yield eager, fast, warm
     torch.set_num_threads(n)
 
 
 def test_warmup_compiles_a_few_graphs(llms):
     _, _, warm = llms
-    # A configuration compiles what it runs and nothing else. The tree: the target at D
-    # nodes (verify), the drafter at one node (first root) and several (frontier, extend).
-    # The chain of the same D then needs nothing new; plain decoding, the target at one node.
-    assert warm["tree"]["graphs"] == 3
-    assert warm["chain"]["graphs"] == 0
-    assert warm["plain"]["graphs"] == 1
+    # A configuration compiles what it runs and nothing else, once at batch 1 and once for
+    # any larger batch. The tree: the target at D nodes (verify), the drafter at one node
+    # (first root) and at D + 1 (extend), and its growth. The chain of the same D then
+    # needs only its own growth; plain decoding, the target at one node.
+    assert warm["tree"]["graphs"] == 2 * 4
+    assert warm["chain"]["graphs"] == 2 * 1
+    assert warm["plain"]["graphs"] == 2 * 1
     assert warm["loaded"] == 0, "the module's cache folder starts empty"
 
 
@@ -60,7 +61,7 @@ def test_a_second_llm_loads_the_compiled_steps(llms, ckpt):
     before, loaded = compilations(), steps_loaded()
     again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
     again.warmup(TREE, batch_sizes=(1,))
-    assert steps_loaded() - loaded == 3
+    assert steps_loaded() - loaded == 4
     assert compilations() == before
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ours = [o.token_ids for o in again.generate(PROMPTS[:3], params, spec=TREE)]
@@ -94,15 +95,16 @@ def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt, caplog):
 
     eager, _, _ = llms
     folder = Path(os.environ["BRANCHSPEC_CACHE"]) / "compiled"
-    victim = sorted(folder.glob("target_step-nodes6-*.bin"))[0]
+    victim = sorted(folder.glob("verify_step-nodes6-batch1-*.bin"))[0]
     victim.write_bytes(b"not a compiled step")
     before, loaded = compilations(), steps_loaded()
     again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
     with caplog.at_level(logging.INFO, logger="branchspec.compiled"):
         again.warmup(TREE, batch_sizes=(1,))
-    assert (compilations() - before, steps_loaded() - loaded) == (1, 2)
+    assert (compilations() - before, steps_loaded() - loaded) == (1, 3)
     # The one compilation says when it starts and ends (long work shows progress).
-    assert "compiling target_step for nodes6" in caplog.text and "compiled target_step for nodes6 in" in caplog.text
+    assert "compiling verify_step for nodes6-batch1" in caplog.text
+    assert "compiled verify_step for nodes6-batch1 in" in caplog.text
     assert victim.read_bytes() != b"not a compiled step", "the step was saved again"
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     assert ([o.token_ids for o in again.generate(PROMPTS[:2], params)]
@@ -128,9 +130,9 @@ def test_a_compiled_engine_needs_the_dense_expert_dispatch():
 def test_steps_are_keyed_by_every_setting_their_guards_check(ckpt):
     """The thread count, grad mode and default dtype are checked by a compiled step's
     guards: a step saved under other settings must have another name (compiles nothing)."""
-    from branchspec.execution.compiled import CompiledStep, global_state, target_step
+    from branchspec.execution.compiled import CompiledStep, global_state, verify_step
 
-    step = CompiledStep(random_model(tiny_config(), seed=0), target_step)
+    step = CompiledStep(random_model(tiny_config(), seed=0), verify_step)
     n = torch.get_num_threads()
     keys = {step.key("nodes6")}
     try:
@@ -175,7 +177,8 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
             ours = [o.token_ids for o in fast.generate(PROMPTS[:2], params, spec=spec)]
         assert ours == [o.token_ids for o in eager.generate(PROMPTS[:2], params, spec=spec)]
         eagerly = [str(w.message) for w in caught if "running this step eagerly" in str(w.message)]
-        # the tree runs two compiled functions (the target's and the drafter's), plain decoding one more
-        assert len(eagerly) == (2 if spec is TREE else 1), eagerly
-    assert calls == {"saved": 3, "fallback": 3}
+        # the tree runs three compiled functions (the verify pass, the drafter's forward and
+        # the growth), plain decoding one more
+        assert len(eagerly) == (3 if spec is TREE else 1), eagerly
+    assert calls == {"saved": 4, "fallback": 4}
     assert fast.engine.cache.tables == {}

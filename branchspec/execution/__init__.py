@@ -4,7 +4,7 @@ through the `Executor` interface and never asks which one it has."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -27,19 +27,19 @@ class Executor(Protocol):
     def prefill(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
                 lengths: torch.Tensor) -> ForwardOutput: ...
 
-    def target(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
-               lengths: torch.Tensor) -> ForwardOutput: ...
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
+               ) -> tuple[ForwardOutput, ForwardMeta]: ...
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
                ) -> tuple[ForwardOutput, ForwardMeta]: ...
-
-    def verify_meta(self, parents: torch.Tensor, lengths: torch.Tensor) -> ForwardMeta: ...
 
     def drafter_prefill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                         state: LayerState) -> ForwardOutput: ...
 
     def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                 state: LayerState) -> ForwardOutput: ...
+
+    def graph(self, fn: Callable, plan: Any, batched: Any, shared: dict[str, torch.Tensor]) -> Any: ...
 
     def extend_width(self, needed: int, bound: int) -> int: ...
 

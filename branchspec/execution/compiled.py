@@ -6,13 +6,13 @@ must come in a few stable shapes: decode and verify keep their node counts (1 an
 drafter's extend is padded to D + 1 nodes, completing-node slots are sized by their bound
 (`metadata.max_completions`), and committed entries are gathered in whole pages
 (`PagedState.addresses(whole_pages=True)`). The sizes that still vary (batch >= 2, entries, the pools'
-slot counts, the drafter's window slots and node count) are marked dynamic and every other
-size is a constant, so a growing context or a different accept length reuses the same
-graphs: a speculative configuration needs three (the target at D nodes; the drafter at 1
-and at 2 or more), plain decoding one (the target at 1 node). Each step is one graph with
-no breaks (`fullgraph`), and the target's steps read their committed state from the pools
-inside the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay
-eager.
+slot counts, the drafter's node count) are marked dynamic and every other size is a
+constant, so a growing context or a different accept length reuses the same graphs: a
+speculative configuration needs four at batch 1 and four more for any larger batch (the
+verify pass at D nodes; the drafter at 1 node and at D + 1; its whole growth), plain
+decoding one each (the target at 1 node). Each step is one graph with no breaks
+(`fullgraph`), and the target's steps read their committed state from the pools inside
+the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay eager.
 """
 
 from __future__ import annotations
@@ -36,13 +36,17 @@ from branchspec.model.metadata import ForwardMeta, chain_meta, tree_meta
 from branchspec.model.model import ForwardOutput, Transformer
 
 
-class Pools:
-    """The paged state's storage ({kind: [layers of kind, slots, width]}) passed whole into
-    a compiled step, which reads it at the batch's addresses inside its graph. Not batched:
-    canonicalising leaves it alone."""
+class Shared:
+    """Tensors passed whole into a compiled step, the same for every request (a reduced
+    vocabulary's head rows, say): not batched, so canonicalising leaves them alone."""
 
     def __init__(self, storage: dict[str, torch.Tensor]):
         self.storage = storage
+
+
+class Pools(Shared):
+    """The paged state's storage ({kind: [layers of kind, slots, width]}) passed whole into
+    a compiled step, which reads it at the batch's addresses inside its graph."""
 
 
 def _map_batch(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -76,19 +80,20 @@ def _states(obj: Any):
             yield from _states(v)
 
 
-def mark_varying_sizes(args: tuple, drafter: bool) -> None:
+def mark_varying_sizes(args: tuple, drafter: bool, batch: bool = True) -> None:
     """Name the sizes that vary between calls of one step; every other size is a constant
     of the configuration and the step, which the compiler specialises on (far faster to
     compile than treating every size as symbolic: 103 s against 147 s cold for a v4-mini-v2
     decode step, and 4.5 ms against 7.4 ms a call at batch 1).
 
-    Varying: the batch (dim 0 of every input) and the committed entries of compressed
+    Varying: the batch (dim 0 of every input; not in a batch-1 step's own graph,
+    `batch=False`) and the committed entries of compressed
     layers (a whole page more every page_size entries). For the drafter also the window
     rows (a tree's own slots are appended to the committed window, more at every step)
     and, from 2 up, the node count: a tree's frontier (topk nodes) and the draft extend
     (D + 1 nodes) then share one graph."""
     mark = torch._dynamo.maybe_mark_dynamic
-    for t in _tensors(args):
+    for t in _tensors(args) if batch else ():
         mark(t, 0)
     for arg in args:
         if isinstance(arg, Pools):        # the pools' slot counts follow the engine's limits
@@ -118,26 +123,32 @@ def mark_varying_sizes(args: tuple, drafter: bool) -> None:
 
 def _example(args: tuple) -> tuple:
     """The arguments to trace a step with: fresh tensor objects over the same memory
-    (identity kept), so that marking their varying sizes leaves the caller's tensors unmarked. A tensor marked at run time
-    but not when a step was compiled fails that step's guards, and the pools' storage and
-    the shape metadata outlive a call."""
-    views: dict[int, torch.Tensor] = {}
+    (identity kept), so that marking their varying sizes leaves the caller's tensors
+    unmarked (a tensor marked at run time but not when a step was compiled fails that
+    step's guards, and the pools' storage and the shape metadata outlive a call). Detached
+    copies of the handle, not views: the compiler would guard on a view's base, which the
+    step's real inputs do not have."""
+    fresh_of: dict[int, torch.Tensor] = {}
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in views:
-            views[id(t)] = t.view(t.shape)
-        return views[id(t)]
+        if id(t) not in fresh_of:
+            fresh_of[id(t)] = t.detach()
+        return fresh_of[id(t)]
 
-    return tuple(Pools({k: fresh(v) for k, v in a.storage.items()}) if isinstance(a, Pools) else _map_batch(a, fresh)
+    return tuple(type(a)({k: fresh(v) for k, v in a.storage.items()}) if isinstance(a, Shared) else _map_batch(a, fresh)
                  for a in args)
 
 
-def target_step(model: Transformer, input_ids: torch.Tensor, meta, pools: Pools, addr: StateAddresses):
-    """The target's forward as a plain function of the model (what gets compiled: the model
-    is an input, so one compiled step serves any weights of the same configuration),
-    reading its committed state from the pools inside the graph: the reads fuse into the
-    kernels that consume them instead of being copied out first."""
-    return model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr))
+def verify_step(model: Transformer, input_ids: torch.Tensor, parents: torch.Tensor, num_committed: torch.Tensor,
+                pools: Pools, addr: StateAddresses):
+    """The target's verify pass as a plain function of the model (what gets compiled: the
+    model is an input, so one compiled step serves any weights of the same
+    configuration) over draft trees input_ids, parents [B, D]. It builds the trees' plan
+    in its graph (`tree_meta`, about 0.4 ms of eager ops at batch 1) and reads its
+    committed state from the pools there, where the reads fuse into the kernels that
+    consume them instead of being copied out first: (ForwardOutput, ForwardMeta)."""
+    meta = tree_meta(parents, num_committed, model.cfg.compressed_kinds, static=True)
+    return model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr)), meta
 
 
 def decode_step(model: Transformer, input_ids: torch.Tensor, num_committed: torch.Tensor, pools: Pools,
@@ -155,6 +166,17 @@ def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch
                  state: LayerState):
     """The MTP block's forward, likewise, without its LM head (see `Transformer.mtp_forward`)."""
     return model.mtp_forward(input_ids, prev_hidden, meta, state, logits=False)
+
+
+def plan_step(fn: Callable, plan) -> Callable:
+    """fn(model, plan, batched, shared) as a step of its own for one plan (a hashable value
+    of Python scalars its shapes and branches follow from): fn(model, batched, Shared)."""
+
+    def step(model: Transformer, batched, shared: Shared):
+        return fn(model, plan, batched, shared.storage)
+
+    step.__name__ = f"{fn.__name__}-{plan.label}"
+    return step
 
 
 def _guards_to_keep(entries) -> list[bool]:
@@ -214,8 +236,9 @@ def report_progress() -> None:
 
 
 def _source_digest() -> str:
-    """What a compiled step was built from: the model and config code, the paged state's
-    reads and this file."""
+    """What a compiled step was built from: the model and config code, the speculative
+    code a whole-function step runs (`plan_step`: a draft tree's growth), the paged
+    state's reads and this file."""
     import hashlib
     from pathlib import Path
 
@@ -224,7 +247,8 @@ def _source_digest() -> str:
     import branchspec.model as model_pkg
 
     h = hashlib.sha256()
-    packages = [Path(model_pkg.__file__).parent, Path(config.__file__).parent]
+    packages = [Path(model_pkg.__file__).parent, Path(config.__file__).parent,
+                Path(model_pkg.__file__).parent.parent / "speculative"]
     for path in [p for pkg in packages for p in sorted(pkg.glob("*.py"))] + [Path(paged.__file__), Path(__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -233,12 +257,15 @@ def _source_digest() -> str:
 class CompiledStep:
     """One compiled step (the target's or the drafter's forward), called on canonical inputs.
 
-    Canonical: contiguous, aliasing kept, and batch 1 padded to 2 (the one row twice) with
-    row 0 of the output kept. The compiler guards on strides and on which inputs alias each
-    other, and specialises a size of 1; each would otherwise cost a graph of its own, and at
-    batch 1 a step is overhead-bound, so a second row costs little.
+    Canonical: contiguous, aliasing kept (the compiler guards on strides and on which
+    inputs alias each other). Batch 1 is a shape class of its own: the compiler
+    specialises a size of 1, and padding it to 2 instead (as this once did) doubled the
+    verify pass's matmuls, which are compute-bound on a CPU at D nodes already (the LM head
+    over 16 rows took 0.7 ms of a 6.5 ms 4x2 D=8 verify); batch-1 graphs made a 4x2 D=8
+    round about 30% faster and a plain step about 15%.
 
-    Each shape class (the node count; the drafter's counts from 2 up share one) is compiled
+    Each shape class (the node count, the drafter's counts from 2 up sharing one; batch 1
+    or more) is compiled
     ahead of time (`aot_compile`) on its first call, and saved under the branchspec cache
     folder, keyed by the model's configuration, dtype, device (with its index), the source of the model code,
     torch, the CPU and the torch settings its guards check (`global_state`: the thread count
@@ -251,15 +278,20 @@ class CompiledStep:
     the cause of a failed request.
     """
 
-    def __init__(self, model: Transformer, fn: Callable, drafter: bool = False):
-        self.model, self.fn, self.drafter = model, fn, drafter
+    def __init__(self, model: Transformer, fn: Callable, drafter: bool = False, one_shape: bool = False):
+        """drafter: the MTP forward (its node counts from 2 up share a graph); one_shape:
+        a step whose shapes follow from its function alone (`plan_step`)."""
+        self.model, self.fn, self.drafter, self.one_shape = model, fn, drafter, one_shape
         self.steps: dict[tuple[str, str], Callable] = {}   # (shape class, global_state()) -> step
         self.fallback: Callable | None = None
         self.eager = False          # the fallback failed to compile: run `fn` as it is
 
     def shape_class(self, args: tuple) -> str:
+        single = "-batch1" if _tensors(args[0])[0].shape[0] == 1 else ""   # the batch: dim 0 of every tensor
+        if self.one_shape:
+            return "plan" + single
         n = args[0].shape[1]
-        return "nodes2+" if self.drafter and n >= 2 else f"nodes{n}"
+        return ("nodes2+" if self.drafter and n >= 2 else f"nodes{n}") + single
 
     def key(self, shape_class: str, state: str | None = None) -> str:
         """The saved step's name: everything its graph and its guards depend on (state:
@@ -278,12 +310,11 @@ class CompiledStep:
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def __call__(self, *args):
-        pad = args[0].shape[0] == 1
         seen: dict[int, torch.Tensor] = {}
 
         def canonical(t: torch.Tensor) -> torch.Tensor:
             if id(t) not in seen:   # tensors shared between layers stay shared
-                seen[id(t)] = (t.expand(2, *t.shape[1:]) if pad else t).contiguous()
+                seen[id(t)] = t.contiguous()
             return seen[id(t)]
 
         args = _map_batch(args, canonical)
@@ -306,7 +337,7 @@ class CompiledStep:
                 out = self._recompiled(cls, args, str(e))
         if graphs:   # a replay's outputs live in the graph's memory, which the next replay reuses
             out = _map_batch(out, lambda t: t.clone())
-        return _map_batch(out, lambda t: t[:1]) if pad else out
+        return out
 
     def _recompiled(self, cls: str, args: tuple, why: str):
         """Inputs the step's guards refuse: plain torch.compile for them, which traces at its
@@ -363,7 +394,7 @@ class CompiledStep:
                 step = None
         if step is None:
             example = _example(args)
-            mark_varying_sizes(example, self.drafter)
+            mark_varying_sizes(example, self.drafter, batch=not cls.endswith("-batch1"))
             log.info("compiling %s for %s (once per machine; a minute or two on a few cores)", self.fn.__name__, cls)
             t0 = time.perf_counter()
             try:
@@ -398,8 +429,8 @@ def tracing_settings():
 
 
 def compile_steps(model: Transformer) -> tuple["CompiledStep", "CompiledStep", "CompiledStep"]:
-    """(target forward, plain decode step, MTP forward), compiled (see `CompiledStep`)."""
-    return (CompiledStep(model, target_step), CompiledStep(model, decode_step),
+    """(verify pass, plain decode step, MTP forward), compiled (see `CompiledStep`)."""
+    return (CompiledStep(model, verify_step), CompiledStep(model, decode_step),
             CompiledStep(model, drafter_step, drafter=True))
 
 
@@ -431,7 +462,8 @@ class CompiledExecutor(EagerExecutor):
     name = "compiled"
     expert_dispatch = "dense"
 
-    def __init__(self, model: Transformer, cache, steps: tuple["CompiledStep", ...] | None = None):
+    def __init__(self, model: Transformer, cache, steps: tuple["CompiledStep", ...] | None = None,
+                 graphs: dict | None = None):
         if model.cfg.num_experts and model.expert_dispatch != self.expert_dispatch:
             raise ValueError(f"a compiled engine needs a model built with expert_dispatch="
                              f"{self.expert_dispatch!r} (got {model.expert_dispatch!r}): no shape of a compiled "
@@ -441,15 +473,23 @@ class CompiledExecutor(EagerExecutor):
             build_stacked(model)     # the compiled steps read the stacked projections built now
             steps = compile_steps(model)
         self.steps = steps
-        self._target, self._decode, self._drafter = steps
+        self._verify, self._decode, self._drafter = steps
+        # (fn, plan) -> its compiled step (`graph`), shared with `over`'s executors
+        self.graphs: dict = {} if graphs is None else graphs
 
     def over(self, cache) -> "CompiledExecutor":
-        return CompiledExecutor(self.model, cache, self.steps)
+        return CompiledExecutor(self.model, cache, self.steps, self.graphs)
 
-    def target(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
-               lengths: torch.Tensor) -> ForwardOutput:
-        # The step reads the committed state from the pools inside its graph.
-        return self._target(input_ids, meta, Pools(self.cache.storage),
+    def graph(self, fn: Callable, plan, batched, shared: dict[str, torch.Tensor]):
+        step = self.graphs.get((fn, plan))
+        if step is None:
+            step = self.graphs[(fn, plan)] = CompiledStep(self.model, plan_step(fn, plan), one_shape=True)
+        return step(batched, Shared(shared))
+
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
+               ) -> tuple[ForwardOutput, ForwardMeta]:
+        # The step builds the plan and reads the committed state from the pools in its graph.
+        return self._verify(tokens, parents, lengths, Pools(self.cache.storage),
                             self.cache.addresses(seq_ids, lengths, whole_pages=True))
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
@@ -457,9 +497,6 @@ class CompiledExecutor(EagerExecutor):
         # The step builds its metadata in its graph, and returns it for the commit.
         return self._decode(roots, lengths, Pools(self.cache.storage),
                             self.cache.addresses(seq_ids, lengths, whole_pages=True))
-
-    def verify_meta(self, parents: torch.Tensor, lengths: torch.Tensor) -> ForwardMeta:
-        return tree_meta(parents, lengths, self.kinds, static=True)
 
     def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                 state: LayerState) -> ForwardOutput:

@@ -16,9 +16,9 @@ class EagerExecutor:
     vary from call to call; this is the ground truth the compiled path is tested against.
 
     The forwards (see `execution.Executor`): `prefill` and `drafter_prefill` over chunks of
-    any length; `decode` (one node per sequence), `target` (a verify pass over D nodes),
-    `drafter` (the MTP block over a tree's frontier or a draft extend), each with the
-    metadata helpers whose sizing the compiled path needs fixed.
+    any length; `decode` (one node per sequence) and `verify` (D nodes of draft trees),
+    each building its own metadata; `drafter` (the MTP block at a round's root or over a
+    draft extend); `graph`, a whole function of tensors (a draft tree's growth).
     """
 
     name = "eager"
@@ -39,21 +39,20 @@ class EagerExecutor:
         """input_ids [B, N] on top of each sequence's lengths [B] committed tokens."""
         return self.model(input_ids, meta, self.cache.gather(seq_ids, lengths))
 
-    def target(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
-               lengths: torch.Tensor) -> ForwardOutput:
-        """A verify pass: input_ids [B, D] with `verify_meta` metadata."""
-        return self.prefill(input_ids, meta, seq_ids, lengths)
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
+               ) -> tuple[ForwardOutput, ForwardMeta]:
+        """A verify pass over draft trees tokens, parents [B, D] on top of lengths [B]
+        committed tokens; returns the output and the trees' plan (`metadata.tree_meta`),
+        which accepting and committing read."""
+        meta = tree_meta(parents, lengths, self.kinds)
+        return self.prefill(tokens, meta, seq_ids, lengths), meta
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
                ) -> tuple[ForwardOutput, ForwardMeta]:
         """One plain decode step: roots [B, 1] at positions lengths [B]; returns the
         output and the metadata its commit needs."""
         meta = chain_meta(lengths, 1, self.kinds)
-        return self.target(roots, meta, seq_ids, lengths), meta
-
-    def verify_meta(self, parents: torch.Tensor, lengths: torch.Tensor) -> ForwardMeta:
-        """The verify plan of draft trees parents [B, D] (`metadata.tree_meta`)."""
-        return tree_meta(parents, lengths, self.kinds)
+        return self.prefill(roots, meta, seq_ids, lengths), meta
 
     # -- drafter ------------------------------------------------------------------------
     def drafter_prefill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
@@ -66,6 +65,14 @@ class EagerExecutor:
         """The MTP block over a round's nodes (a tree's root or frontier, a draft extend),
         without its LM head."""
         return self.drafter_prefill(input_ids, prev_hidden, meta, state)
+
+    def graph(self, fn, plan, batched, shared: dict[str, torch.Tensor]):
+        """fn(model, plan, batched, shared): a pure function of tensors whose shapes follow
+        from `plan` (a hashable value), the batch and the model, such as a whole draft-tree
+        growth; `batched` holds the batch's tensors (dim 0 the request), `shared` those
+        every request shares. Run as it is here; one compiled graph per plan on the fast
+        path."""
+        return fn(self.model, plan, batched, shared)
 
     def extend_width(self, needed: int, bound: int) -> int:
         """Nodes a draft extend runs: `needed` (the longest accepted path plus its next

@@ -82,7 +82,7 @@ def build_meta(positions: torch.Tensor, num_committed: torch.Tensor, ancestor: t
     pools = {}
     if not chain and N > 0 and kinds:
         # anc_at_depth[b, n, d] = the ancestor-or-self of n at depth d (or 0 if none).
-        max_depth = int(depth.max()) + 1
+        max_depth = N if static else int(depth.max()) + 1    # static: no value read back
         anc_at_depth = torch.zeros(B, N, max_depth + 1, dtype=torch.long, device=device)
         d_idx = torch.where(ancestor, depth[:, None, :], torch.full_like(depth[:, None, :], max_depth))
         node_ids = torch.arange(N, device=device).expand(B, N, N)

@@ -34,6 +34,29 @@ MAX_DEPTH = 16           # deeper edges share the last depth's estimates
 GREEDY, SAMPLED = 0, 1
 
 
+def bucket_of(prob: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """The probability bucket (by upper edges `edges`) of each drafter probability (same shape)."""
+    return torch.bucketize(prob.to(torch.float64).contiguous(), edges.to(prob.device))
+
+
+def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent_main: torch.Tensor,
+                    logp: torch.Tensor) -> torch.Tensor:
+    """log q of the children of one step's parents: log_c [B, 2, MAX_DEPTH, R, buckets]
+    (`AcceptanceModel.log_factors`); edges the buckets' upper edges; depth the children's
+    depth (1 = the root's children); parent_main [B, P] bool; logp [B, P, k] the drafter's
+    log-probabilities of each parent's top-k children, best first -> [B, P, k], never above
+    0. A pure function of tensors (the compiled growth runs it in its graph)."""
+    B, P, k = logp.shape
+    R = log_c.shape[3]
+    d = min(depth, MAX_DEPTH) - 1
+    rank = torch.arange(k, device=logp.device).clamp(max=R - 1).expand(B, P, k)
+    line = (~parent_main).long()[..., None].expand(B, P, k)
+    bucket = bucket_of(logp.exp(), edges)
+    table = log_c[:, :, d].to(logp.device)                                # [B, 2, R, buckets]
+    b = torch.arange(B, device=logp.device)[:, None, None].expand(B, P, k)
+    return (logp + table[b, line, rank, bucket].to(logp.dtype)).clamp(max=0.0)
+
+
 class AcceptanceModel:
     """Decayed hits and probability mass of tries by (mode, request, main line, depth,
     rank, probability bucket): tables [2 main/off, MAX_DEPTH, ranks, buckets].
@@ -78,22 +101,12 @@ class AcceptanceModel:
 
     def bucket(self, prob: torch.Tensor) -> torch.Tensor:
         """The probability bucket of each drafter probability (same shape)."""
-        return torch.bucketize(prob.to(torch.float64).contiguous(), self.edges.to(prob.device))
+        return bucket_of(prob, self.edges)
 
     def edge_log_values(self, log_c: torch.Tensor, depth: int, parent_main: torch.Tensor,
                         logp: torch.Tensor) -> torch.Tensor:
-        """log q of the children of one step's parents: log_c [B, 2, MAX_DEPTH, R, buckets]
-        (`log_factors`); depth the children's depth (1 = the root's children);
-        parent_main [B, P] bool; logp [B, P, k] the drafter's log-probabilities of each
-        parent's top-k children, best first -> [B, P, k], never above 0."""
-        B, P, k = logp.shape
-        d = min(depth, MAX_DEPTH) - 1
-        rank = torch.arange(k, device=logp.device).clamp(max=self.R - 1).expand(B, P, k)
-        line = (~parent_main).long()[..., None].expand(B, P, k)
-        bucket = self.bucket(logp.exp())
-        table = log_c[:, :, d].to(logp.device)                                # [B, 2, R, buckets]
-        b = torch.arange(B, device=logp.device)[:, None, None].expand(B, P, k)
-        return (logp + table[b, line, rank, bucket].to(logp.dtype)).clamp(max=0.0)
+        """`edge_log_values` with this model's buckets."""
+        return edge_log_values(log_c, self.edges, depth, parent_main, logp)
 
     @torch.no_grad()
     def observe(self, seq_ids: list[int], modes: list[int], children: torch.Tensor, children_logp: torch.Tensor,

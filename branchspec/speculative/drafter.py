@@ -12,7 +12,9 @@ The calibrated selection ranks frontier and kept nodes by measured acceptance in
 (`calibration.py`), which never exceeds the parent's either.
 
 The drafter's attention is tree-masked: a frontier node sees the committed drafter KV plus
-the MTP keys of its own ancestors (root slot included), never a sibling's.
+the MTP keys of its own ancestors (root slot included), never a sibling's. Everything after
+the root's output is one function of tensors (`growth.grow_trees`), which the executor runs
+as it is or, on the fast path, as one compiled graph per configuration.
 
 **Following.** The drafter's KV must hold every committed position, fed with the target's
 hidden states (not its own). Three ways in, all here: `follow` (the prompt's prefill, and
@@ -33,11 +35,12 @@ import torch
 from branchspec.cache.paged import PagedState
 from branchspec.config import SpecConfig
 from branchspec.model.attention import LayerState
-from branchspec.model.metadata import build_meta, chain_meta
+from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
 from branchspec.speculative.draft_vocab import DraftVocab
-from branchspec.speculative.tree import DraftTree, select_tree
+from branchspec.speculative.growth import GrowthInputs, GrowthPlan, grow_trees
+from branchspec.speculative.tree import DraftTree
 
 
 @dataclass
@@ -149,21 +152,6 @@ class MTPDrafter:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafter logits [..., N] over the drafted vocabulary at hidden states [..., n*d]."""
         return self.model.mtp_logits(hidden, self.head_rows)
-
-    @staticmethod
-    def _value_logp(logits: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None,
-                    logp: torch.Tensor) -> torch.Tensor:
-        """The drafter's log-probabilities of the chosen children (index [..., k] into the
-        logits' last dim) at each request's temperature (scale [B]); `logp` (already at
-        temperature 1) when no scale is given."""
-        if scale is None:
-            return logp
-        view = scale.view(-1, *([1] * (logits.dim() - 1)))
-        return torch.log_softmax(logits.float() / view, dim=-1).gather(-1, index)
-
-    def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Positions in the drafted vocabulary -> target token ids (same shape)."""
-        return index if self.vocab_ids is None else self.vocab_ids[index]
 
     def state(self, seq_id: int) -> DrafterState:
         if seq_id not in self.states:
@@ -282,104 +270,26 @@ class MTPDrafter:
               log_q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> DraftTree:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
         committed: the drafter's KV for positions < L (from the paged pool); root: the
-        drafter's output at the root when already computed (`DraftRoot`); log_q: the
-        calibrated selection's log calibration factors (`AcceptanceModel.log_factors`),
-        None for EAGLE-2's cumulative draft log-probability; scale: [B] the temperature
-        the calibrated selection reads each request's drafter distribution at (1: greedy).
-
-        Candidates carry two scores: `cand_score`, the cumulative draft log-probability,
-        and `cand_value`, what the selection ranks by (the same score for EAGLE-2; the sum
-        of log q along the path for the calibrated selection)."""
-        k, D = spec.topk, spec.num_draft_tokens
-        B = root_ids.shape[0]
-        device = root_ids.device
-        bidx = torch.arange(B, device=device)[:, None]
-
-        # Step 1: the root's MTP slot at position L.
-        if root is None:
+        drafter's output at the root when already computed (`DraftRoot`), else computed
+        here; log_q, scale: the calibrated selection's log calibration factors
+        (`AcceptanceModel.log_factors`) and the temperature [B] it reads each request's
+        drafter distribution at (1: greedy), None for EAGLE-2. The growth itself is one
+        call of the executor (`growth.grow_trees`)."""
+        if root is None:   # step 1: the root's MTP slot at position L
             out = self.executor.drafter(root_ids[:, None], prev_hidden[:, None],
-                                   chain_meta(num_committed, 1, (), max_new=1), committed)
+                                        chain_meta(num_committed, 1, (), max_new=1), committed)
             root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=self._logits(out.hidden[:, 0]))
-        slot_k = root.k                                             # [B, X, d_h] keys of expanded nodes
-        slot_pos = num_committed[:, None].clone()                   # [B, X]
-        slot_hidden = root.hidden                                   # [B, X, d]
-        logp = torch.log_softmax(root.logits.float(), dim=-1)
-        cand_score, cand_index = logp.topk(k, dim=-1)               # [B, k]
-        cand_tok = self._token_ids(cand_index)
-        root_main = torch.ones(B, 1, dtype=torch.bool, device=device)
-        root_lp = self._value_logp(root.logits, cand_index, scale, cand_score)          # [B, k]
-        cand_value = cand_score if log_q is None else \
-            self.calibration.edge_log_values(log_q, 1, root_main, root_lp[:, None])[:, 0]
-        cand_main = (torch.arange(k, device=device) == 0).expand(B, k)         # [B, C] on the main line
-        cand_parent = torch.full((B, k), -1, dtype=torch.long, device=device)   # candidate index, -1 root
-        cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
-        cand_anc = torch.ones(B, k, 1, dtype=torch.bool, device=device)         # [B, C, X] ancestor slots
-        frontier = torch.arange(k, device=device).expand(B, k)      # candidate indices
-        root_children, root_children_logp = cand_tok, root_lp
-        cand_children = torch.full((B, k, k), -1, dtype=torch.long, device=device)   # [B, C, k]
-        cand_children_logp = torch.zeros(B, k, k, device=device)                      # their log-probabilities
-
-        for step in range(1, spec.num_steps):
-            X = slot_k.shape[1]
-            tokens = cand_tok.gather(1, frontier)                   # [B, k]
-            prev = slot_hidden[bidx, cand_slot_parent.gather(1, frontier)]      # [B, k, d]
-            anc = cand_anc[bidx, frontier]                          # [B, k, X]
-            # Frontier nodes sit at depth `step`; among themselves they are siblings.
-            positions = (num_committed + step)[:, None].expand(B, k).contiguous()
-            meta = build_meta(positions, num_committed,
-                              torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k),
-                              torch.ones(B, k, dtype=torch.bool, device=device), ())
-            Wc = committed.raw_k.shape[1]
-            state = LayerState(
-                raw_k=torch.cat([committed.raw_k, slot_k], dim=1),
-                raw_pos=torch.cat([committed.raw_pos, slot_pos], dim=1),
-                raw_valid=torch.cat([committed.raw_valid.expand(B, k, Wc), anc], dim=2))
-            out = self.executor.drafter(tokens, prev, meta, state)
-            new_slots = X + torch.arange(k, device=device)           # slots of the expanded frontier
-            slot_k = torch.cat([slot_k, out.scratch[0].k], dim=1)
-            slot_pos = torch.cat([slot_pos, positions], dim=1)
-            slot_hidden = torch.cat([slot_hidden, out.hidden], dim=1)
-
-            # Children: k per frontier node, scored by cumulative log-probability (and
-            # valued by the calibrated selection's measured acceptance).
-            logits = self._logits(out.hidden)                                   # [B, k, N]
-            child_lp, child_index = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)   # [B, k, k]
-            child_tok = self._token_ids(child_index)
-            value_lp = self._value_logp(logits, child_index, scale, child_lp)
-            child_score = (cand_score.gather(1, frontier)[..., None] + child_lp).reshape(B, k * k)
-            parent_main = cand_main.gather(1, frontier)                          # [B, k]
-            if log_q is None:
-                child_value = child_score
-            else:
-                edge = self.calibration.edge_log_values(log_q, step + 1, parent_main, value_lp)
-                child_value = (cand_value.gather(1, frontier)[..., None] + edge).reshape(B, k * k)
-            child_main = (parent_main[..., None] & (torch.arange(k, device=device) == 0)).reshape(B, k * k)
-            child_parent = frontier[..., None].expand(B, k, k).reshape(B, k * k)
-            child_slot_parent = new_slots[None, :, None].expand(B, k, k).reshape(B, k * k)
-            own = torch.zeros(B, k, X + k, dtype=torch.bool, device=device)
-            own[..., X:] = torch.eye(k, dtype=torch.bool, device=device)
-            child_anc = torch.cat([anc, torch.zeros(B, k, k, dtype=torch.bool, device=device)], 2) | own
-            child_anc = child_anc[:, :, None, :].expand(B, k, k, X + k).reshape(B, k * k, X + k)
-
-            C = cand_tok.shape[1]
-            cand_children = cand_children.scatter(1, frontier[..., None].expand(B, k, k), child_tok)
-            cand_children = torch.cat([cand_children, torch.full((B, k * k, k), -1, dtype=torch.long,
-                                                                 device=device)], dim=1)
-            cand_children_logp = cand_children_logp.scatter(1, frontier[..., None].expand(B, k, k), value_lp)
-            cand_children_logp = torch.cat([cand_children_logp, torch.zeros(B, k * k, k, device=device)], dim=1)
-            cand_value = torch.cat([cand_value, child_value], dim=1)
-            cand_main = torch.cat([cand_main, child_main], dim=1)
-            cand_tok = torch.cat([cand_tok, child_tok.reshape(B, k * k)], dim=1)
-            cand_score = torch.cat([cand_score, child_score], dim=1)
-            cand_parent = torch.cat([cand_parent, child_parent], dim=1)
-            cand_slot_parent = torch.cat([cand_slot_parent, child_slot_parent], dim=1)
-            cand_anc = torch.cat([torch.cat([cand_anc, torch.zeros(B, C, k, dtype=torch.bool, device=device)], 2),
-                                  child_anc], dim=1)
-            best = torch.sort(child_value, dim=1, descending=True, stable=True).indices[:, :k]
-            frontier = C + best
-
-        return select_tree(root_ids, cand_tok, cand_parent, cand_value, D, root_children, cand_children,
-                           root_children_logp, cand_children_logp)
+        plan = GrowthPlan(spec.num_steps, spec.topk, spec.num_draft_tokens, calibrated=log_q is not None,
+                          reduced_vocab=self.vocab_ids is not None)
+        device = root_ids.device
+        inputs = GrowthInputs(root_ids=root_ids, root_k=root.k, root_hidden=root.hidden, root_logits=root.logits,
+                              num_committed=num_committed, committed=committed,
+                              log_q=None if log_q is None else log_q.to(device),
+                              scale=None if scale is None else scale.to(device))
+        shared = {"prob_edges": self.calibration.edges.to(device)} if plan.calibrated else {}
+        if plan.reduced_vocab:
+            shared.update(head_rows=self.head_rows, vocab_ids=self.vocab_ids)
+        return self.executor.graph(grow_trees, plan, inputs, shared)
 
     @torch.no_grad()
     def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,

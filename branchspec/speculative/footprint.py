@@ -6,7 +6,7 @@ any request, naming the knob, instead of failing (or swapping) mid-round.
 A round's transient memory is dominated by three things, each counted here at the
 engine's largest batch B, in bytes:
 
-* the drafter's candidates (`drafter.MTPDrafter._grow`): after S steps of top-k growth it
+* the drafter's candidates (`growth.grow_trees`): after S steps of top-k growth it
   holds C = k + (S - 1) k^2 candidates, each with its ancestor set over the X = 1 + (S - 1) k
   expanded slots ([B, C, X] booleans) and its k proposed children ([B, C, k] ids), and
   every step scores k frontier nodes over the vocabulary ([B, k, V] logits);

@@ -1,10 +1,11 @@
 """One speculative round over a batch, top to bottom.
 
     draft  -> the drafter grows one tree per request from its root        (drafter.propose)
-    plan   -> the trees become attention metadata: positions, ancestors,
-              and where each completing node's pooled rows come from      (metadata.tree_meta)
-    verify -> one target forward over every node of every tree; all it
-              produces stays in scratch, nothing is written               (executor.target)
+    verify -> the trees become attention metadata (positions, ancestors, and
+              where each completing node's pooled rows come from:
+              metadata.tree_meta), then one target forward over every
+              node of every tree; all it produces stays in scratch,
+              nothing is written                                          (executor.verify)
     accept -> walk each tree along the target's own tokens                (accept.accept)
     commit -> copy only the accepted path's scratch into the pools        (PagedState.commit)
     extend -> the drafter follows the accepted path, and computes its
@@ -31,7 +32,7 @@ from branchspec.sampling import SamplingBatch, emitted_logprobs, target_tokens
 from branchspec.speculative.accept import accept
 from branchspec.speculative.drafter import Drafter
 
-ROUND_PHASES = ("draft", "plan", "verify", "accept", "commit", "draft_extend")
+ROUND_PHASES = ("draft", "verify", "accept", "commit", "draft_extend")
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,7 @@ class SpeculativeRound:
         tree = self.drafter.propose(ids, L, batch.roots, spec, temperature)  # tokens, parents: [B, D]
         clock.lap("draft")
 
-        meta = self.executor.verify_meta(tree.parents, L)
-        clock.lap("plan")
-
-        out = self.executor.target(tree.tokens, meta, ids, L)                # logits [B, D, V]
+        out, meta = self.executor.verify(tree.tokens, tree.parents, ids, L)  # logits [B, D, V]
         clock.lap("verify")
 
         # Each node's own rules (bias, min_tokens, penalties) see only its own prefix: the

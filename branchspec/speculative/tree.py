@@ -49,7 +49,7 @@ def select_tree(root_ids: torch.Tensor, cand_tok: torch.Tensor, cand_parent: tor
     kept = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :keep_n]
     kept = kept.sort(dim=1).values                                   # creation order
     node_of = torch.full((B, C), -1, dtype=torch.long, device=cand_tok.device)
-    node_of.scatter_(1, kept, torch.arange(1, keep_n + 1, device=cand_tok.device).expand(B, keep_n))
+    node_of = node_of.scatter(1, kept, torch.arange(1, keep_n + 1, device=cand_tok.device).expand(B, keep_n))
     par_cand = cand_parent.gather(1, kept)
     parents = torch.where(par_cand < 0, torch.zeros_like(par_cand), node_of.gather(1, par_cand.clamp(min=0)))
     tokens = torch.cat([root_ids[:, None], cand_tok.gather(1, kept)], dim=1)

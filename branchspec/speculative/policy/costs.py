@@ -317,8 +317,8 @@ def calibrate(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]],
 
 def _forward(ex, name: str, new: torch.Tensor, prev: torch.Tensor, ids: list[int], L: torch.Tensor):
     """A call of forward `name` as a round runs it, over new tokens [B, n]: the plain decode
-    step, or a verify pass over a chain-shaped tree (its plan, a separate phase, built
-    outside the timing); a drafter step; a catch-up chunk."""
+    step, or a verify pass over a chain-shaped tree (its plan included); a drafter step; a
+    catch-up chunk."""
     from branchspec.model.metadata import chain_meta
 
     B, n = new.shape
@@ -326,8 +326,7 @@ def _forward(ex, name: str, new: torch.Tensor, prev: torch.Tensor, ids: list[int
         if n == 1:
             return lambda: ex.decode(new, ids, L)
         parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
-        meta = ex.verify_meta(parents, L)
-        return lambda: ex.target(new, meta, ids, L)
+        return lambda: ex.verify(new, parents, ids, L)
     step = ex.drafter if name == "drafter" else ex.drafter_prefill
     return lambda: step(new, prev, chain_meta(L, n, ()), ex.cache.gather_mtp(ids, L))
 
