@@ -288,3 +288,33 @@ def test_policy_row_joins_the_study(tiny_ckpt, tmp_path, monkeypatch):
         StudyConfig(model=tiny_ckpt, policies=("fixed", "auto"), policy_repeats=-1)
     with pytest.raises(ValueError, match="policies"):
         StudyConfig(model=tiny_ckpt, policies=("best",))
+
+
+def test_calibrated_trees_join_the_study(tiny_ckpt, tmp_path):
+    """--selections eagle2,calibrated: calibrated trees over the grid's shapes and the deep
+    (D-1)x2 and (D-1)x3 run beside the chain and the EAGLE-2 trees, greedy output equal to
+    plain decoding's, and the report compares the three per (workload, batch size, D)."""
+    from branchspec.bench.analysis import selection_table
+    from branchspec.bench.report import SELECTION_HEADERS
+
+    g = torch.Generator().manual_seed(2)
+    prompts = {"alpha": [torch.randint(3, 64, (n,), generator=g).tolist() for n in (7, 12)]}
+    cfg = StudyConfig(model=tiny_ckpt, workloads=("alpha",), budgets=(5,), batch_sizes=(1, 2),
+                      tree_shapes=(TreeShape(2, 2),), max_tokens=8, num_prompts=2, dtype="float64", threads=1,
+                      out_dir=tmp_path / "out", prompts_override=prompts, progress=False, plots=False,
+                      selections=("eagle2", "calibrated"))
+    assert [(s.num_steps, s.topk, s.selection) for s in cfg.specs_at(5)] == [
+        (4, 1, "eagle2"), (2, 2, "eagle2"), (2, 2, "calibrated"), (4, 2, "calibrated"), (4, 3, "calibrated")]
+    result = run_study(cfg)
+    calibrated = [c for c in result.cells if c.kind == "calibrated"]
+    assert sorted({c.shape for c in calibrated}) == ["2x2", "4x2", "4x3"] and len(calibrated) == 2 * 3
+    assert all(c.matches_baseline is True for c in calibrated)
+    rows = selection_table(result.cells)
+    assert [(r.batch_size, r.D) for r in rows] == [(1, 5), (2, 5)]
+    for r in rows:
+        best = max(c.accept_length for c in calibrated if c.batch_size == r.batch_size)
+        assert r.accept_gain("chain") == pytest.approx(best / r.chain.accept_length - 1)
+    assert tuple(SELECTION_HEADERS) in _table_headers((result.out_dir / "report.md").read_text())
+    assert result.summary["calibrated"]["cells"] == 2
+    with pytest.raises(ValueError, match="selections"):
+        StudyConfig(model=tiny_ckpt, selections=("calibrated",))

@@ -132,6 +132,57 @@ def accept_table(cells: list[CellResult]) -> list[AcceptRow]:
     return sorted(rows, key=lambda r: (r.D, r.workload))
 
 
+@dataclass
+class SelectionRow:
+    """One (workload, batch size, D): the chain, the best EAGLE-2 tree and the best
+    calibrated tree, each best by accept length and by throughput."""
+
+    workload: str
+    batch_size: int
+    D: int
+    chain: CellResult
+    eagle2: list[CellResult]
+    calibrated: list[CellResult]
+
+    def best(self, kind: str, by: str) -> CellResult:
+        cells = self.eagle2 if kind == "eagle2" else self.calibrated
+        return max(cells, key=lambda c: getattr(c, by))
+
+    def accept_gain(self, over: str) -> float | None:
+        """The best calibrated tree's accept length over the chain's or the best EAGLE-2 tree's, - 1."""
+        base = self.chain if over == "chain" else self.best("eagle2", "accept_length")
+        return gain(self.best("calibrated", "accept_length").accept_length, base.accept_length)
+
+    def throughput_ratio(self) -> float | None:
+        """The best calibrated tree's throughput over the best of the chain and the EAGLE-2 trees."""
+        base = max([self.chain, *self.eagle2], key=lambda c: c.throughput_tok_s).throughput_tok_s
+        best = self.best("calibrated", "throughput_tok_s").throughput_tok_s
+        return best / base if base > 0 else None
+
+    def to_dict(self) -> dict:
+        return {"workload": self.workload, "batch_size": self.batch_size, "D": self.D,
+                "chain_accept": self.chain.accept_length,
+                "eagle2_accept": self.best("eagle2", "accept_length").accept_length,
+                "eagle2_shape": self.best("eagle2", "accept_length").shape,
+                "calibrated_accept": self.best("calibrated", "accept_length").accept_length,
+                "calibrated_shape": self.best("calibrated", "accept_length").shape,
+                "gain_vs_chain": _round(self.accept_gain("chain")),
+                "gain_vs_eagle2": _round(self.accept_gain("eagle2")),
+                "throughput_vs_best_other": _round(self.throughput_ratio())}
+
+
+def selection_table(cells: list[CellResult]) -> list[SelectionRow]:
+    """Calibrated against EAGLE-2 trees and the chain, per (workload, batch size, D) that
+    ran all three (the study's `selections=("eagle2", "calibrated")`)."""
+    groups: dict[tuple[str, int, int], dict[str, list[CellResult]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        if c.kind in ("chain", "tree", "calibrated"):
+            groups[(c.workload, c.batch_size, c.D)][c.kind].append(c)
+    rows = [SelectionRow(w, b, d, g["chain"][0], g["tree"], g["calibrated"])
+            for (w, b, d), g in groups.items() if g["chain"] and g["tree"] and g["calibrated"]]
+    return sorted(rows, key=lambda r: (r.D, r.workload, r.batch_size))
+
+
 def throughput_ratio_grid(comparisons: list[Comparison]) -> dict[tuple[str, int, int], float | None]:
     """(workload, batch, D) -> tree/chain throughput ratio, with workload "mean" averaging
     over workloads."""
@@ -183,7 +234,7 @@ def summary(cells: list[CellResult], comparisons: list[Comparison], config: dict
                for d, cs in sorted(by_d.items())}
     best = max((c for c in comparisons if c.throughput_ratio is not None),
                key=lambda c: c.throughput_ratio, default=None)
-    spec_cells = [c for c in cells if c.kind in ("chain", "tree", "auto")]
+    spec_cells = [c for c in cells if c.kind in ("chain", "tree", "calibrated", "auto")]
     mismatches = sum(1 for c in spec_cells if c.matches_baseline is False)
     policy = policy_table(cells)
     return {
@@ -200,6 +251,7 @@ def summary(cells: list[CellResult], comparisons: list[Comparison], config: dict
         "max_speedup_vs_baseline": _round(max((c.speedup or 0.0 for c in spec_cells), default=None)),
         "greedy_output_mismatches": mismatches,
         **({"policy": policy_summary(policy)} if policy else {}),
+        **({"calibrated": selection_summary(selection)} if (selection := selection_table(cells)) else {}),
     }
 
 
@@ -290,3 +342,17 @@ def policy_summary(rows: list[PolicyRow]) -> dict:
 
 def _round(v: float | None, digits: int = 4) -> float | None:
     return None if v is None else round(v, digits)
+
+
+def selection_summary(rows: list[SelectionRow]) -> dict:
+    """The calibrated selection's headline numbers: mean accept gains over the chain and
+    the best EAGLE-2 tree, how many cells it loses, and in how many its throughput matches
+    the best of the others."""
+    vs_chain = [r.accept_gain("chain") for r in rows]
+    vs_eagle2 = [r.accept_gain("eagle2") for r in rows]
+    tp = [r.throughput_ratio() for r in rows]
+    return {"cells": len(rows), "mean_accept_gain_vs_chain": _round(_mean(vs_chain)),
+            "mean_accept_gain_vs_eagle2": _round(_mean(vs_eagle2)),
+            "cells_below_chain": sum(1 for g in vs_chain if g is not None and g < 0),
+            "cells_below_eagle2": sum(1 for g in vs_eagle2 if g is not None and g < 0),
+            "throughput_at_least_best_other": sum(1 for t in tp if t is not None and t >= 1.0)}

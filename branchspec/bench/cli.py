@@ -108,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with fixed,auto: after each (workload, batch size), run plain decoding, the best fixed "
                         "configuration and the policy again in turn N times and judge the policy on the medians "
                         "(default: 3; 0: judge on the sweep's single runs)")
+    p.add_argument("--selections", type=_name_list, default=None, metavar="S[,S..]",
+                   help="eagle2 (the paper's node selection, by cumulative draft probability) and optionally "
+                        "calibrated (by measured acceptance: the same shapes plus (D-1)x2 and (D-1)x3); "
+                        "default: eagle2")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
@@ -150,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         plots=not args.no_plots,
         policies=tuple(args.policies) if args.policies else ("fixed",),
         policy_repeats=args.policy_repeats,
+        selections=tuple(args.selections) if args.selections else ("eagle2",),
     )
 
 

@@ -94,6 +94,23 @@ def specs_at_budget(num_draft_tokens: int, shapes: list[TreeShape] | None = None
     return [chain] + [s.spec(num_draft_tokens) for s in shapes]
 
 
+def calibrated_specs_at_budget(num_draft_tokens: int, shapes: list[TreeShape] | None = None,
+                               max_shapes: int = DEFAULT_MAX_SHAPES) -> list[SpecConfig]:
+    """The trees at budget D with the calibrated selection: the EAGLE-2 grid's shapes, and
+    the deep ones it makes worth trying, (D-1)x2 and (D-1)x3 (the calibrated selection
+    keeps the chain where the chain is the better bet, and adds siblings only where they
+    earn their slot)."""
+    grid = [(s.num_steps, s.topk) for s in (shapes if shapes is not None else default_tree_shapes(num_draft_tokens,
+                                                                                                   max_shapes))]
+    out = []
+    for steps, topk in dict.fromkeys(grid + [(num_draft_tokens - 1, 2), (num_draft_tokens - 1, 3)]):
+        try:
+            out.append(SpecConfig(steps, topk, num_draft_tokens, selection="calibrated"))
+        except ValueError:
+            pass
+    return out
+
+
 def shape_label(spec: SpecConfig | None) -> str:
     """A short name for a cell's configuration: ``baseline``, ``chain``, ``3x2``."""
     if spec is None:

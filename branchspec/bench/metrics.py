@@ -95,7 +95,7 @@ def measure_cell(workload: str, spec: SpecConfig | None, outputs: list[RequestOu
             for d, hits in enumerate(o.accepted_per_depth):
                 depth_hits[d] += hits
         rates = [h / stats.num_rounds if stats.num_rounds else 0.0 for h in depth_hits]
-        kind = "chain" if spec.is_chain else "tree"
+        kind = "chain" if spec.is_chain else ("calibrated" if spec.selection == "calibrated" else "tree")
         D, num_steps, topk = spec.num_draft_tokens, spec.num_steps, spec.topk
     ms = ms_per_round(stats, steps)
     return CellResult(

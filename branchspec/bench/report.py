@@ -17,6 +17,7 @@ from branchspec.bench.analysis import (
     breakdown_table,
     gain,
     policy_table,
+    selection_table,
     throughput_ratio_grid,
 )
 from branchspec.bench.metrics import CellResult
@@ -128,6 +129,20 @@ def policy_rows(cells: list[CellResult]) -> list[list[str]]:
     return rows
 
 
+SELECTION_HEADERS = ("workload", "batch", "D", "chain accept", "EAGLE-2 accept (shape)", "calibrated accept (shape)",
+                     "vs chain", "vs EAGLE-2", "calibrated tok/s / best other")
+
+
+def selection_rows(cells: list[CellResult]) -> list[list[str]]:
+    rows = []
+    for r in selection_table(cells):
+        e, c = r.best("eagle2", "accept_length"), r.best("calibrated", "accept_length")
+        rows.append([r.workload, str(r.batch_size), str(r.D), num(r.chain.accept_length),
+                     f"{num(e.accept_length)} ({e.shape})", f"{num(c.accept_length)} ({c.shape})",
+                     pct(r.accept_gain("chain")), pct(r.accept_gain("eagle2")), num(r.throughput_ratio())])
+    return rows
+
+
 def cell_rows(cells: list[CellResult]) -> list[list[str]]:
     rows = []
     for c in cells:
@@ -188,6 +203,13 @@ def render_report(cells: list[CellResult], comparisons: list[Comparison], summar
             "of many single runs is partly the luckiest.",
             "",
             markdown_table(POLICY_HEADERS, policy_rows(cells)), ""] if policy_table(cells) else []),
+        *(["## Calibrated trees against EAGLE-2 trees and the chain",
+            "",
+            "Per (workload, batch size, D): the best tree of each selection by accept length, its gain over the "
+            "chain and over the best EAGLE-2 tree, and the best calibrated tree's throughput over the best of the "
+            "chain and the EAGLE-2 trees (each best by throughput).",
+            "",
+            markdown_table(SELECTION_HEADERS, selection_rows(cells)), ""] if selection_table(cells) else []),
         "## Every cell",
         "",
         markdown_table(CELL_HEADERS, cell_rows(cells)),
@@ -218,4 +240,6 @@ def console_tables(cells: list[CellResult], comparisons: list[Comparison]) -> st
         "Tree vs chain\n" + text_table(COMPARISON_HEADERS, comparison_rows(comparisons)),
         "Throughput gain, best tree vs chain\n" + text_table(tp_headers, tp_rows),
         *(["Adaptive policy\n" + text_table(POLICY_HEADERS, policy_rows(cells))] if policy_table(cells) else []),
+        *(["Calibrated trees\n" + text_table(SELECTION_HEADERS, selection_rows(cells))]
+          if selection_table(cells) else []),
     ])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, shape_label, specs_at_budget
+from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, calibrated_specs_at_budget, shape_label, specs_at_budget
 from branchspec.bench.metrics import CellResult, measure_cell
 from branchspec.config import SamplingParams, SpecConfig, check_device, spec_label
 from branchspec.speculative.draft_vocab import token_map_arg
@@ -81,6 +81,10 @@ class StudyConfig:
     # the policy is judged on the medians (one run of the best of many configurations is
     # that configuration's luckiest run).
     policy_repeats: int = 3
+    # Which node selections the fixed grid's trees run: "eagle2" (the paper's, by cumulative
+    # draft probability) and/or "calibrated" (by measured acceptance, over the same shapes
+    # and the deep (D-1)x2 and (D-1)x3; cells of kind "calibrated").
+    selections: tuple[str, ...] = ("eagle2",)
     notes: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,10 @@ class StudyConfig:
             if unknown:
                 raise ValueError(f"unknown workload(s) {unknown}; valid workloads: {', '.join(WORKLOADS)}")
         object.__setattr__(self, "policies", tuple(dict.fromkeys(self.policies)))
+        object.__setattr__(self, "selections", tuple(dict.fromkeys(self.selections)))
+        bad = [s for s in self.selections if s not in ("eagle2", "calibrated")]
+        if bad or "eagle2" not in self.selections:
+            raise ValueError(f"selections must name eagle2, and may add calibrated, got {list(self.selections)}")
         bad = [p for p in self.policies if p not in ("fixed", "auto")]
         if bad or not self.policies:
             raise ValueError(f"policies must name fixed and/or auto, got {list(self.policies)}")
@@ -166,9 +174,13 @@ class StudyConfig:
             ))
 
     def specs_at(self, num_draft_tokens: int) -> list[SpecConfig]:
-        """Chain first, then the tree shapes, at budget D."""
+        """Chain first, then the tree shapes, at budget D (then, with the calibrated
+        selection, its trees)."""
         shapes = list(self.tree_shapes) if self.tree_shapes is not None else None
-        return specs_at_budget(num_draft_tokens, shapes, self.max_tree_shapes)
+        specs = specs_at_budget(num_draft_tokens, shapes, self.max_tree_shapes)
+        if "calibrated" in self.selections:
+            specs += calibrated_specs_at_budget(num_draft_tokens, shapes, self.max_tree_shapes)
+        return specs
 
     def auto_policy(self):
         """The adaptive policy the study runs: every default candidate up to the largest D."""
@@ -199,7 +211,9 @@ class StudyConfig:
             "model": str(self.model) if self.model is not None else "default",
             "workloads": list(self.workloads), "budgets": list(self.budgets),
             "batch_sizes": list(self.batch_sizes),
-            "tree_shapes": {d: [shape_label(s) for s in self.specs_at(d)[1:]] for d in self.budgets},
+            "tree_shapes": {d: [shape_label(s) + (" calibrated" if s.selection == "calibrated" else "")
+                                for s in self.specs_at(d)[1:]] for d in self.budgets},
+            "selections": list(self.selections),
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
             "dtype": self.dtype, "compile": self.compile, "device": self.device,
@@ -418,7 +432,7 @@ def _cell_name(spec) -> str:
     label = spec_label(spec)
     if label in ("none", "auto"):
         return {"none": "baseline", "auto": "auto"}[label]
-    return f"D={spec.num_draft_tokens} {shape_label(spec)}"
+    return f"D={spec.num_draft_tokens} {shape_label(spec)}" + (" calibrated" if spec.selection == "calibrated" else "")
 
 
 def _progress(cfg: StudyConfig):
