@@ -48,8 +48,8 @@ def test_warmup_compiles_a_few_graphs(llms):
     _, _, warm = llms
     # A configuration compiles what it runs and nothing else, once at batch 1 and once for
     # any larger batch. The tree: the target at D nodes (verify), the drafter at one node
-    # (first root) and at D + 1 (extend), and its growth. The chain of the same D then
-    # needs only its own growth; plain decoding, the target at one node.
+    # (first root), its growth and its draft extend (D + 1 nodes). The chain of the same D
+    # then needs only its own growth; plain decoding, the target at one node.
     assert warm["tree"]["graphs"] == 2 * 4
     assert warm["chain"]["graphs"] == 2 * 1
     assert warm["plain"]["graphs"] == 2 * 1
@@ -177,8 +177,8 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
             ours = [o.token_ids for o in fast.generate(PROMPTS[:2], params, spec=spec)]
         assert ours == [o.token_ids for o in eager.generate(PROMPTS[:2], params, spec=spec)]
         eagerly = [str(w.message) for w in caught if "running this step eagerly" in str(w.message)]
-        # the tree runs three compiled functions (the verify pass, the drafter's forward and
-        # the growth), plain decoding one more
-        assert len(eagerly) == (3 if spec is TREE else 1), eagerly
-    assert calls == {"saved": 4, "fallback": 4}
+        # the tree runs four compiled functions (the verify pass, the drafter's forward at
+        # the root, the growth and the draft extend), plain decoding one more
+        assert len(eagerly) == (4 if spec is TREE else 1), eagerly
+    assert calls == {"saved": 5, "fallback": 5}
     assert fast.engine.cache.tables == {}

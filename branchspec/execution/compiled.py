@@ -9,7 +9,7 @@ drafter's extend is padded to D + 1 nodes, completing-node slots are sized by th
 slot counts, the drafter's node count) are marked dynamic and every other size is a
 constant, so a growing context or a different accept length reuses the same graphs: a
 speculative configuration needs four at batch 1 and four more for any larger batch (the
-verify pass at D nodes; the drafter at 1 node and at D + 1; its whole growth), plain
+verify pass at D nodes; the drafter at 1 node; its whole growth; its draft extend), plain
 decoding one each (the target at 1 node). Each step is one graph with no breaks
 (`fullgraph`), and the target's steps read their committed state from the pools inside
 the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay eager.

@@ -34,8 +34,8 @@ import torch
 
 from branchspec.cache.paged import PagedState
 from branchspec.config import SpecConfig
-from branchspec.model.attention import LayerState
-from branchspec.model.metadata import chain_meta
+from branchspec.model.attention import LayerScratch, LayerState
+from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
 from branchspec.speculative.draft_vocab import DraftVocab
@@ -298,7 +298,8 @@ class MTPDrafter:
         path, now with the target's hidden states (path_hidden [B, D, d], path node i's)
         instead of the drafter's own, and one node further the next root (the bonus token
         [B]), whose output the next round starts from. path_tokens: [B, D] (root first,
-        padded past path_len [B])."""
+        padded past path_len [B]). The forward and the root's logits are one call of the
+        executor (`extend_forward`)."""
         B = len(seq_ids)
         dev = path_tokens.device
         rows = torch.arange(B, device=dev)
@@ -307,16 +308,61 @@ class MTPDrafter:
         tokens = torch.cat([path_tokens, path_tokens[:, :1]], dim=1)         # [B, D+1]
         tokens[rows, path_len] = bonus
         width = self.executor.extend_width(int(path_len.max()) + 1, num_draft_tokens + 1)
-        meta = chain_meta(lengths, path_len + 1, (), max_new=width)
-        out = self.executor.drafter(tokens[:, :width], prev[:, :width], meta, self.cache.gather_mtp(seq_ids, lengths))
-        on_path = meta.valid & (torch.arange(width, device=dev)[None] < path_len[:, None])
-        self.cache.commit_mtp(seq_ids, meta, out.scratch[0], on_path)       # the root stays uncommitted
+        plan = ExtendPlan(width=width, reduced_vocab=self.vocab_ids is not None)
+        inputs = ExtendInputs(tokens=tokens[:, :width], prev=prev[:, :width], num_committed=lengths,
+                              path_len=path_len, committed=self.cache.gather_mtp(seq_ids, lengths))
+        shared = {"head_rows": self.head_rows} if plan.reduced_vocab else {}
+        out = self.executor.graph(extend_forward, plan, inputs, shared)
+        on_path = out.meta.valid & (torch.arange(width, device=dev)[None] < path_len[:, None])
+        self.cache.commit_mtp(seq_ids, out.meta, out.scratch, on_path)     # the root stays uncommitted
         last = path_hidden[rows, path_len - 1]                               # [B, d]
-        at_root = (rows, path_len)
-        ahead = DraftRoot(k=out.scratch[0].k[at_root][:, None], hidden=out.hidden[at_root][:, None],
-                          logits=self._logits(out.hidden[at_root]))
+        ahead = DraftRoot(k=out.root_k, hidden=out.root_hidden, logits=out.root_logits)
         new_lengths = (lengths + path_len).tolist()
         for b, sid in enumerate(seq_ids):
             st = self.states[sid]
             st.last_hidden = last[b]
             st.root = (new_lengths[b], ahead.row(b))
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """A draft extend's static shape: `width` nodes (the path and the next root, padded),
+    and whether the root's logits are over a reduced vocabulary."""
+
+    width: int
+    reduced_vocab: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"w{self.width}" + ("-rv" if self.reduced_vocab else "")
+
+
+@dataclass
+class ExtendInputs:
+    tokens: torch.Tensor          # [B, W] the accepted path's tokens then the next root (padded)
+    prev: torch.Tensor            # [B, W, n*d] the target hidden state before each
+    num_committed: torch.Tensor   # [B] L: the drafter's committed length before the extend
+    path_len: torch.Tensor        # [B] accepted path nodes (the next root sits at index path_len)
+    committed: LayerState         # the drafter's KV for positions < L
+
+
+@dataclass
+class ExtendOutputs:
+    meta: ForwardMeta             # the extend's chain metadata (the commit reads it)
+    scratch: LayerScratch         # the MTP keys of the W nodes
+    root_k: torch.Tensor          # [B, 1, d_h] the next root's MTP key
+    root_hidden: torch.Tensor     # [B, 1, n*d] its MTP hidden state
+    root_logits: torch.Tensor     # [B, N] its drafter logits over the drafted vocabulary
+
+
+def extend_forward(model: Transformer, plan: ExtendPlan, x: ExtendInputs, shared: dict[str, torch.Tensor]
+                   ) -> ExtendOutputs:
+    """The draft extend's MTP forward over the path and the next root, and the root's
+    output (a pure function of tensors: one compiled graph per width on the fast path)."""
+    meta = chain_meta(x.num_committed, x.path_len + 1, (), max_new=plan.width)
+    out = model.mtp_forward(x.tokens, x.prev, meta, x.committed, logits=False)
+    at_root = (torch.arange(x.tokens.shape[0], device=x.tokens.device), x.path_len)
+    hidden = out.hidden[at_root]                                         # [B, n*d]
+    logits = model.mtp_logits(hidden, shared["head_rows"] if plan.reduced_vocab else None)
+    return ExtendOutputs(meta=meta, scratch=out.scratch[0], root_k=out.scratch[0].k[at_root][:, None],
+                         root_hidden=hidden[:, None], root_logits=logits)
