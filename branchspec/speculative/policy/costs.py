@@ -28,6 +28,10 @@ from branchspec.speculative.policy.tuning import TUNING, Tuning
 # "target" the plain decode step (1 token) and the verify pass (D nodes); "drafter" a
 # tree's frontier step (topk nodes) and the draft extend (D + 1 nodes); "catch_up" the
 # drafter over positions it did not follow (a deferred prompt, plain rounds), in chunks.
+# A round now runs its frontier steps inside one growth call and its extend as one call
+# (`growth.grow_trees`, `drafter.extend_forward`; one graph each when compiled), so the
+# drafting cost composed from separate drafter forwards is an upper estimate: the
+# overhead learned from measured rounds (which may be negative) corrects it per candidate.
 FORWARDS = ("target", "drafter", "catch_up")
 CATCH_UP_TOKENS = (1, 16, 64)
 # Committed tokens the grids are measured over: a short context and a long one.
