@@ -9,7 +9,7 @@ from branchspec.checkpoint import save_checkpoint
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.llm import LLM
 from branchspec.model.init import random_model
-from branchspec.speculative.calibration import GREEDY, MAX_DEPTH, AcceptanceModel
+from branchspec.speculative.calibration import GREEDY, HITS, MASS, MAX_DEPTH, AcceptanceModel
 from conftest import markov_batches
 from helpers import chi2_p_value, second_and_third_token_counts
 
@@ -59,7 +59,7 @@ def test_sampled_calibrated_follows_target_distribution(tmp_path):
     assert chi2_p_value(counts, expected) > 1e-3
     model = llm.engine.drafter.calibration
     prior = model.prior_hits / model.prior_mass
-    greedy, sampled = ((h / t) for h, t in model.global_counts)
+    greedy, sampled = (g[HITS] / g[MASS] for g in model.global_counts)
     assert torch.allclose(greedy, prior), "sampled rounds must not teach the greedy estimates"
     assert not torch.allclose(sampled, prior), "the sampled rounds taught it nothing"
 
@@ -68,10 +68,10 @@ def _taught(model: AcceptanceModel, c_main_first: float, c_others: float) -> Non
     """Set the engine-wide greedy calibration: the drafter's first guess on its main line is
     accepted c_main_first times as often as its probability says, every other edge
     c_others times."""
-    hits, mass = model.global_counts[GREEDY]
-    mass.fill_(1000.0)
-    hits.fill_(1000.0 * c_others)
-    hits[0, :, 0] = 1000.0 * c_main_first
+    counts = model.global_counts[GREEDY]
+    counts[MASS].fill_(1000.0)
+    counts[HITS].fill_(1000.0 * c_others)
+    counts[HITS, 0, :, 0] = 1000.0 * c_main_first
 
 
 def _tree_of(llm: LLM, prompt: list[int], spec: SpecConfig):
@@ -111,7 +111,7 @@ def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
     logp = torch.tensor([[[0.6, 0.3], [0.45, 0.25], [0.0, 0.0]]], dtype=torch.float64).log()
     targets = torch.tensor([[8, 6, -1]])
     model.observe([3], [GREEDY], children, logp, targets)
-    h, m = model.requests[3]
+    h, m = model.counts(3)[HITS], model.counts(3)[MASS]
     b = model.bucket(torch.tensor([0.6, 0.3, 0.45, 0.25])).tolist()
     assert m[0, 0, 0, b[0]] == pytest.approx(0.6) and h[0, 0, 0, b[0]] == 0   # main line, depth 1, rank 1: a miss
     assert m[0, 0, 1, b[1]] == pytest.approx(0.3) and h[0, 0, 1, b[1]] == 1   # rank 2: the hit
@@ -123,4 +123,4 @@ def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
     values = model.edge_log_values(log_c, 1, torch.ones(1, 1, dtype=torch.bool), logp[:, :1])
     assert (values <= 0).all()
     model.forget(3)
-    assert 3 not in model.requests
+    assert model.counts(3) is None

@@ -2,6 +2,7 @@
 stays exact across plain rounds, and its estimates and choices respond to what it sees."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -10,10 +11,11 @@ import torch
 from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates, spec_label
 from branchspec.llm import LLM
 from branchspec.speculative.policy import BatchView
-from branchspec.speculative.policy.acceptance import NEW_REQUEST, AcceptanceStats
-from branchspec.speculative.policy.adaptive import AdaptivePolicy
+from branchspec.speculative.calibration import GREEDY, HITS, MAX_DEPTH, SAMPLED, TRIES, AcceptanceModel
+from branchspec.speculative.policy.acceptance import OFF, ExpectedAccept, candidate_paths
+from branchspec.speculative.policy.adaptive import NEW_REQUEST, AdaptivePolicy
 from branchspec.speculative.policy.costs import CostModel, calibration_batches, grid_tokens, load_or_calibrate
-from branchspec.speculative.policy.tuning import TUNING, Tuning
+from branchspec.speculative.policy.tuning import TUNING
 from branchspec.speculative.round import RoundResult
 from conftest import markov_batches
 from test_spec_decode import chi2_sf
@@ -29,8 +31,17 @@ def choose(policy, seq_ids, lag=None, remaining=None, context=None):
     return policy.choose(BatchView(seq_ids, lag or [0] * len(seq_ids), remaining or [], context))
 
 
+def teach(model: AcceptanceModel, seq_ids, children, targets, mode=GREEDY):
+    """What a verified round teaches the engine's acceptance (every proposal at p = 0.5)."""
+    logp = torch.full(children.shape, math.log(0.5), dtype=torch.float64)
+    model.observe(seq_ids, [mode] * len(seq_ids), children, logp, targets)
+
+
 def observe(policy, spec, seq_ids, seconds, children=None, targets=None, path_len=None, context=None):
-    """policy.observe of a round of `spec` that took `seconds`, with its path observations."""
+    """A round of `spec` that took `seconds`, with its path observations, as the engine
+    runs one: the round teaches the acceptance, then policy.observe."""
+    if spec is not None and children is not None:
+        teach(policy.acceptance, seq_ids, children, targets)
     result = RoundResult(spec=spec, emitted=[], path_len=path_len or [1] * len(seq_ids), path_children=children,
                          path_targets=targets, seconds=seconds)
     policy.observe(BatchView(seq_ids, [0] * len(seq_ids), [], context), result)
@@ -99,7 +110,7 @@ def test_seeded_sampling_is_the_same_whatever_the_policy_picks(trained_ckpt, pro
     params = seeded_params()
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params, spec=SpecConfig.auto())] == plain
-    forced = SpecConfig.auto(decay=0.8)     # another policy value: its own runner
+    forced = SpecConfig.auto(default_candidates()[::-1])     # another policy value: its own runner
     force_cycle(llm, forced)
     assert [o.token_ids for o in llm.generate(prompts, params, spec=forced)] == plain
     assert llm.last_stats.spec_choices.get("none", 0) >= 3 and len(llm.last_stats.spec_choices) >= 4
@@ -188,12 +199,11 @@ def test_auto_policy_sampled_follows_target_distribution(tmp_path):
 
 def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
     chain = SpecConfig.chain(4)
-    stats = AcceptanceStats(AutoPolicy(candidates=(chain, SpecConfig(2, 2, 4))))
-    q = np.full((2, 16, 2), 0.1)
+    expected = ExpectedAccept((chain, SpecConfig(2, 2, 4)), max_rank=2)
+    q = np.full((2, MAX_DEPTH, 2), 0.1)
     q[0, 0, 0], q[0, 1, 0], q[0, 2, 0] = 0.9, 0.5, 0.2          # main line, rank 1
     q[1, 1, 0] = 0.3                                              # off the main line, rank 1
-    stats.acceptance = lambda ids: q[None].repeat(len(ids), 0)
-    e = stats.expected_accept([7])
+    e = expected(q[None])
     assert e[0, 0] == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2)
     # The 2x2 tree at D=4 keeps the best three of: 0.9, 0.1 (rank 2), 0.45, 0.09 (main line)
     # and, under the rank-2 child (off the line), 0.1 * 0.3 and 0.1 * 0.1.
@@ -203,13 +213,10 @@ def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
 def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
     """Every default candidate, random acceptance for three requests: 1 + the sum of the
     D-1 largest path products among the nodes within its depth and branching."""
-    from branchspec.speculative.policy.acceptance import MAX_DEPTH, OFF, candidate_paths
     policy = SpecConfig.auto()
-    stats = AcceptanceStats(policy)
     rng = np.random.default_rng(0)
-    q = rng.uniform(0.05, 1.0, size=(3, 2, MAX_DEPTH, stats.R))
-    stats.acceptance = lambda ids: q[: len(ids)]
-    e = stats.expected_accept([1, 2, 3])
+    q = rng.uniform(0.05, 1.0, size=(3, 2, MAX_DEPTH, AutoPolicy.MAX_RANK))
+    e = ExpectedAccept(policy.speculative, AutoPolicy.MAX_RANK)(q)
     for c, spec in enumerate(policy.speculative):
         for b in range(3):
             values = []
@@ -224,39 +231,64 @@ def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
 
 
 def test_observe_counts_tries_and_hits_by_depth_and_rank():
-    tree = SpecConfig(2, 2, 5)
-    stats = AcceptanceStats(AutoPolicy(candidates=(tree,), decay=0.5))
+    model = AcceptanceModel(decay=0.5)
     # Path: root (proposals 7, 8; target 8: the rank-2 child) -> node with proposals 4, 5
     # (target 6, the bonus) -> padding. That node is off the drafter's main line.
     children = torch.tensor([[[7, 8], [4, 5], [-1, -1], [-1, -1], [-1, -1]]])
     targets = torch.tensor([[8, 6, -1, -1, -1]])
-    stats.observe([3], children, targets)
-    h, t = stats.counts(3)
-    assert t[0, :2].tolist() == [[1, 1], [0, 0]] and h[0, :2].tolist() == [[0, 1], [0, 0]]   # main line
-    assert t[1, :2].tolist() == [[0, 0], [1, 1]] and h[1, :2].tolist() == [[0, 0], [0, 0]]   # off it
+    teach(model, [3], children, targets)
+
+    def counts():
+        c = model.counts(3).sum(dim=-1)          # over the probability buckets
+        return c[HITS], c[TRIES]
+    h, t = counts()
+    assert t[0, :2, :2].tolist() == [[1, 1], [0, 0]] and h[0, :2, :2].tolist() == [[0, 1], [0, 0]]   # main line
+    assert t[1, :2, :2].tolist() == [[0, 0], [1, 1]] and h[1, :2, :2].tolist() == [[0, 0], [0, 0]]   # off it
     # A chain path stays on the main line; a node the drafter did not expand is not a try.
-    stats.observe([3], torch.tensor([[[7, -1], [9, -1], [-1, -1]]]), torch.tensor([[7, 9, 2]]))
-    h, t = stats.counts(3)
-    assert t[0, :2].tolist() == [[1.5, 0.5], [1.0, 0.0]] and h[0, :2].tolist() == [[1.0, 0.5], [1.0, 0.0]]
-    assert t[1, 1].tolist() == [0.5, 0.5]
-    stats.forget(3)
-    assert stats.counts(3) is None
+    teach(model, [3], torch.tensor([[[7, -1], [9, -1], [-1, -1]]]), torch.tensor([[7, 9, 2]]))
+    h, t = counts()
+    assert t[0, :2, :2].tolist() == [[1.5, 0.5], [1.0, 0.0]] and h[0, :2, :2].tolist() == [[1.0, 0.5], [1.0, 0.0]]
+    assert t[1, 1, :2].tolist() == [0.5, 0.5]
+    model.forget(3)
+    assert model.counts(3) is None
 
 
 def test_a_forgotten_requests_counts_do_not_reach_a_new_one():
     """Per-request counts live in rows of one array; a finished request's row is cleared
     and reused, and the array grows as more requests run at once."""
-    stats = AcceptanceStats(AutoPolicy(candidates=(SpecConfig.chain(3),)))
+    model = AcceptanceModel()
     ids = list(range(10, 15))
-    stats.observe(ids, torch.tensor([[[7], [8], [-1]]] * 5), torch.tensor([[7, 8, 1]] * 5))
-    assert all(stats.counts(i)[0][0, :2, 0].tolist() == [1.0, 1.0] for i in ids)
-    stats.forget(12)
-    stats.observe([99], torch.tensor([[[7], [8], [-1]]]), torch.tensor([[5, -1, -1]]))
-    h, t = stats.counts(99)
-    assert h[0, :2, 0].tolist() == [0.0, 0.0] and t[0, :2, 0].tolist() == [1.0, 0.0]
-    assert stats.counts(12) is None and stats.counts(11)[0][0, 0, 0] == 1.0
-    fresh = stats.acceptance([12])          # unknown again: the engine-wide estimate
-    assert np.array_equal(fresh, stats.acceptance([NEW_REQUEST]))
+    teach(model, ids, torch.tensor([[[7], [8], [-1]]] * 5), torch.tensor([[7, 8, 1]] * 5))
+    assert all(model.counts(i)[HITS].sum(-1)[0, :2, 0].tolist() == [1.0, 1.0] for i in ids)
+    model.forget(12)
+    teach(model, [99], torch.tensor([[[7], [8], [-1]]]), torch.tensor([[5, -1, -1]]))
+    c = model.counts(99).sum(-1)
+    assert c[HITS, 0, :2, 0].tolist() == [0.0, 0.0] and c[TRIES, 0, :2, 0].tolist() == [1.0, 0.0]
+    assert model.counts(12) is None and model.counts(11)[HITS, 0, 0, 0].sum() == 1.0
+    fresh = model.acceptance([12], [GREEDY])          # unknown again: the engine-wide estimate
+    assert torch.equal(fresh, model.acceptance([NEW_REQUEST], [GREEDY]))
+
+
+def test_greedy_and_sampled_acceptance_are_kept_apart():
+    """A sampled request accepts the target's draw, a greedy one its argmax: what sampled
+    rounds teach moves the sampled estimate only, for the policy as for the selection."""
+    model = AcceptanceModel()
+    before = model.acceptance([NEW_REQUEST], [GREEDY])
+    for _ in range(20):
+        teach(model, [1], *chain_outcome(0), mode=SAMPLED)
+    assert torch.equal(model.acceptance([NEW_REQUEST], [GREEDY]), before)
+    assert model.acceptance([NEW_REQUEST], [SAMPLED])[0, 0, 0, 0] < 0.5 * before[0, 0, 0, 0]
+
+
+def test_the_policy_reads_the_acceptance_every_round_teaches(trained_ckpt, prompts):
+    """One measured acceptance per engine: an adaptive policy reads the drafter's, which
+    the rounds of any configuration teach (here a fixed EAGLE-2 tree's)."""
+    llm = LLM(trained_ckpt, dtype="float64", max_batch_size=8)
+    runner = llm.engine.policy(SpecConfig.auto())
+    assert runner.acceptance is llm.engine.drafter.calibration
+    before = runner.acceptance.acceptance([NEW_REQUEST], [GREEDY]).clone()
+    llm.generate(prompts[:2], SamplingParams(max_tokens=16, ignore_eos=True), spec=SpecConfig(3, 2, 6))
+    assert not torch.equal(runner.acceptance.acceptance([NEW_REQUEST], [GREEDY]), before)
 
 
 def chain_outcome(accepted: int, depth: int = 2):
@@ -269,13 +301,13 @@ def chain_outcome(accepted: int, depth: int = 2):
 
 def test_requests_learn_their_own_acceptance():
     chain = SpecConfig.chain(3)
-    stats = AcceptanceStats(AutoPolicy(candidates=(chain,)))
+    runner = AdaptivePolicy(AutoPolicy(candidates=(chain,)), flat_costs(10.0, 0.5))
     for _ in range(30):
-        stats.observe([1], *chain_outcome(2))
-        stats.observe([2], *chain_outcome(0))
-    q = stats.acceptance([1, 2])
+        teach(runner.acceptance, [1], *chain_outcome(2))
+        teach(runner.acceptance, [2], *chain_outcome(0))
+    q = runner.acceptance.acceptance([1, 2], [GREEDY] * 2)
     assert q[0, 0, 0, 0] > 0.8 and q[1, 0, 0, 0] < 0.2
-    assert stats.expected_accept([1])[0, 0] > 2.5 > 1.3 > stats.expected_accept([2])[0, 0]
+    assert runner.expected_accept([1])[0, 0] > 2.5 > 1.3 > runner.expected_accept([2])[0, 0]
 
 
 def flat_costs(target_ms: float, mtp_ms: float) -> CostModel:
@@ -308,7 +340,7 @@ def test_unlucky_rounds_do_not_rule_speculation_out_for_good():
         observe(runner, chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
     runner._last_batch = None
     assert choose(runner, [5]) is None
-    low = runner.stats.acceptance([5])[0, 0, 0, 0]
+    low = runner.acceptance.acceptance([5], [GREEDY])[0, 0, 0, 0]
     assert low < 0.5 and runner.calibration(chain4) < 0.9
     picks = []
     for _ in range(60):
@@ -319,11 +351,10 @@ def test_unlucky_rounds_do_not_rule_speculation_out_for_good():
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     for _ in range(2):
         observe(runner, chain4, [5], 0.013, *chain_outcome(0, depth=3), [1])
-    other = runner.stats.acceptance([6])[0, 0, 0, 0]          # a new request: engine-wide only
-    runner.stats.tuning = Tuning(relax_rate=0.0)             # the engine-wide estimate stays put
+    other = float(runner.acceptance.acceptance([6], [GREEDY])[0, 0, 0, 0])   # a new request: engine-wide only
     for _ in range(30):
-        runner.stats.relax([5])
-    assert runner.stats.acceptance([5])[0, 0, 0, 0] == pytest.approx(other, abs=0.02)
+        runner.acceptance.relax([5], [GREEDY], 1, rate=0.0)            # the engine-wide estimate stays put
+    assert float(runner.acceptance.acceptance([5], [GREEDY])[0, 0, 0, 0]) == pytest.approx(other, abs=0.02)
     for _ in range(100):
         observe(runner, None, [5], 0.010)
     assert runner.calibration(chain4) == pytest.approx(1.0, abs=0.05)
@@ -366,12 +397,12 @@ def test_plain_rounds_applied_together_equal_one_at_a_time():
     for batch, rounds in (([5, 6], 7), ([5], 3)):
         for _ in range(rounds):
             observe(lazy, None, batch, 0.010)
-            eager.stats.relax(batch)
+            eager.acceptance.relax(batch, [GREEDY] * len(batch), 1, TUNING.relax_rate)
             eager._fade_calibration(TUNING.plain_fade)
     assert lazy.calibration(chain4) == pytest.approx(eager.calibration(chain4), rel=1e-12)
     assert lazy.calibration(tree) == pytest.approx(eager.calibration(tree), rel=1e-12)
-    np.testing.assert_allclose(lazy.stats.acceptance([5, 6, NEW_REQUEST]),
-                               eager.stats.acceptance([5, 6, NEW_REQUEST]), rtol=1e-12)
+    np.testing.assert_allclose(lazy.acceptance.acceptance([5, 6, NEW_REQUEST], [GREEDY] * 3),
+                               eager.acceptance.acceptance([5, 6, NEW_REQUEST], [GREEDY] * 3), rtol=1e-12)
     assert lazy.calibration(chain4) != pytest.approx(trained().calibration(chain4), rel=1e-3)
 
 
@@ -403,10 +434,10 @@ def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():
     drafter pass over the lag: worth it for a long generation, not for a few tokens."""
     chain4 = SpecConfig.chain(4)
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
-    runner.stats.expected_accept = lambda ids: np.full((len(ids), 1), 2.0)     # 2 tokens a round
+    runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 2.0)     # 2 tokens a round
     assert choose(runner, [1], lag=[0], remaining=[100]) == chain4
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
-    runner.stats.expected_accept = lambda ids: np.full((len(ids), 1), 2.0)
+    runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 2.0)
     runner.costs.catch_up_seconds = lambda batch, lag, context=None: 0.5e-3 * lag
     assert choose(runner, [1], lag=[600], remaining=[1000]) == chain4
     runner._last_batch = None
@@ -420,7 +451,7 @@ def test_a_policy_that_never_speculates_never_runs_the_drafter(trained_ckpt, pro
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     policy = SpecConfig.auto()
     runner = force_cycle(llm, policy, order=(None,))
-    runner.stats.global_hits[:] = 0.0          # drafts are never accepted
+    runner.acceptance.global_counts[:, HITS] = 0.0          # drafts are never accepted
     calls = []
     mtp = llm.engine.model.mtp_forward
     llm.engine.model.mtp_forward = lambda *a, **k: calls.append(1) or mtp(*a, **k)
@@ -444,7 +475,7 @@ def test_the_drafter_is_prefilled_with_the_target_when_speculation_is_expected(t
     engine._admit(runner)
     assert not engine.drafter.lag(seq.seq_id)
 
-    runner.stats.global_hits[:] = 0.0
+    runner.acceptance.global_counts[:, HITS] = 0.0
     assert not runner.expects_speculation(2)
     late = engine.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True))
     engine._admit(runner)
@@ -475,8 +506,7 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     (dict(candidates=()), "non-empty"),
     (dict(candidates=(SpecConfig.chain(3), "chain")), "candidates\\[1\\]"),
     (dict(candidates=(None, None)), "duplicates"),
-    (dict(candidates=(None,), decay=1.0), "decay"),
-    (dict(candidates=(None,), prior_weight=0), "prior_weight"),
+    (dict(candidates=(SpecConfig(1, 9, 10),)), "topk=9"),
 ])
 def test_bad_policies_are_refused(bad, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -526,7 +556,7 @@ def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
     chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
     runner = AdaptivePolicy(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
     rates = {"chain D=3": 100.0, "chain D=4": 101.0}
-    runner.stats.expected_accept = lambda ids: np.ones((len(ids), 2))
+    runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 2))
     runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
     first = choose(runner, [1])
     assert first == chain4
@@ -570,7 +600,7 @@ def test_speculation_must_clearly_beat_plain_decoding():
     chain3 = SpecConfig.chain(3)
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
     rates = {"none": 100.0, "chain D=3": 101.0}
-    runner.stats.expected_accept = lambda ids: np.ones((len(ids), 1))
+    runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
     runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
     assert choose(runner, [1]) is None
     runner._last_batch = None
@@ -586,13 +616,13 @@ def test_engine_wide_acceptance_remembers_more_than_one_requests_last_rounds():
     """At batch 1 the engine-wide statistics are that one request's rounds: they keep about
     GLOBAL_MEMORY of them, not the request's own last ten, so a few misses after many hits
     move the estimate a new request starts from only part of the way."""
-    stats = AcceptanceStats(AutoPolicy(candidates=(SpecConfig.chain(3),)))
+    model = AcceptanceModel()
     for _ in range(30):
-        stats.observe([1], *chain_outcome(2))
+        teach(model, [1], *chain_outcome(2))
     for _ in range(10):
-        stats.observe([1], *chain_outcome(0))
-    assert stats.acceptance([NEW_REQUEST])[0, 0, 0, 0] > 0.6
-    assert stats.acceptance([1])[0, 0, 0, 0] < 0.6           # the request's own, shorter memory
+        teach(model, [1], *chain_outcome(0))
+    assert model.acceptance([NEW_REQUEST], [GREEDY])[0, 0, 0, 0] > 0.6
+    assert model.acceptance([1], [GREEDY])[0, 0, 0, 0] < 0.6           # the request's own, shorter memory
 
 
 def test_a_clear_winner_is_judged_again_less_often():
@@ -600,7 +630,7 @@ def test_a_clear_winner_is_judged_again_less_often():
     chain3 = SpecConfig.chain(3)
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
     rates = {"none": 100.0, "chain D=3": 50.0}
-    runner.stats.expected_accept = lambda ids: np.ones((len(ids), 1))
+    runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
     runner.costs.round_seconds_of = lambda specs, b, context=None: np.array([1.0 / rates[spec_label(s)] for s in specs])
     decisions = []
     decide = runner._decide

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from branchspec.config.checks import ConfigError, ConfigTypeError, check_float, check_int
+from branchspec.config.checks import ConfigError, ConfigTypeError, check_int
 
 
 @dataclass(frozen=True)
@@ -86,14 +86,14 @@ class SpecConfig:
 
 
     @classmethod
-    def auto(cls, candidates=None, *, max_draft_tokens: int = 8, decay: float = 0.9,
-             prior_weight: float = 4.0) -> "AutoPolicy":
+    def auto(cls, candidates=None, *, max_draft_tokens: int = 8) -> "AutoPolicy":
         """Adaptive speculation: before each round the engine picks, from `candidates`
         (SpecConfigs and None for plain decoding), the one with the most expected emitted
-        tokens per second for the running batch. None takes `default_candidates`."""
+        tokens per second for the running batch, by the engine's measured acceptance (the
+        one the calibrated selection learns). None takes `default_candidates`."""
         if candidates is None:
             candidates = default_candidates(max_draft_tokens)
-        return AutoPolicy(candidates=tuple(candidates), decay=decay, prior_weight=prior_weight)
+        return AutoPolicy(candidates=tuple(candidates))
 
 
 # Tree shapes (num_steps, topk) the default candidate set holds at each budget D >= 4: the
@@ -124,19 +124,18 @@ def spec_label(spec: "SpecConfig | AutoPolicy | None") -> str:
 class AutoPolicy:
     """Speculation chosen per round (`SpecConfig.auto`). See `spec/policy.py`.
 
-    candidates: SpecConfigs, and None for a plain decode step; decay: how much of a
-    request's acceptance history one of its rounds keeps (0.9: about the last ten rounds);
-    prior_weight: how many of its own observations a request needs before they outweigh
-    the engine-wide acceptance statistics it starts from.
+    candidates: SpecConfigs, and None for a plain decode step. How fast the measured
+    acceptance forgets is the engine's (`calibration.AcceptanceModel`), shared with the
+    calibrated selection.
     """
 
     candidates: tuple[SpecConfig | None, ...]
-    decay: float = 0.9
-    prior_weight: float = 4.0
 
-    # The policy's acceptance statistics go this deep, and its expected accept length
-    # enumerates every node a candidate could verify: bounds on what a candidate may be.
+    # The measured acceptance goes this deep and tells this many sibling ranks apart, and
+    # the expected accept length enumerates every node a candidate could verify: bounds on
+    # what a candidate may be.
     MAX_DEPTH: ClassVar[int] = 16
+    MAX_RANK: ClassVar[int] = 8
     MAX_PATHS: ClassVar[int] = 4096
 
     def __post_init__(self) -> None:
@@ -151,6 +150,9 @@ class AutoPolicy:
             if c.num_steps > self.MAX_DEPTH:
                 raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) drafts {c.num_steps} steps deep; the "
                                  f"policy's statistics go {self.MAX_DEPTH} deep: use num_steps <= {self.MAX_DEPTH}")
+            if c.topk > self.MAX_RANK:
+                raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) has topk={c.topk}; the measured "
+                                 f"acceptance tells {self.MAX_RANK} sibling ranks apart: use topk <= {self.MAX_RANK}")
             paths = sum(c.topk ** d for d in range(1, c.num_steps + 1))
             if paths > self.MAX_PATHS:
                 raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) could verify {paths} distinct nodes "
@@ -158,14 +160,6 @@ class AutoPolicy:
                                  f"policy can weigh; use fewer steps or a smaller topk")
         if len(set(self.candidates)) != len(self.candidates):
             raise ConfigError(f"{own}: candidates hold duplicates")
-        decay = check_float(own, "decay", self.decay)
-        if not 0.0 < decay < 1.0:
-            raise ConfigError(f"{own}.decay must be in (0, 1), got {decay}")
-        weight = check_float(own, "prior_weight", self.prior_weight)
-        if weight <= 0.0:
-            raise ConfigError(f"{own}.prior_weight must be positive, got {weight}")
-        object.__setattr__(self, "decay", decay)
-        object.__setattr__(self, "prior_weight", weight)
 
     label: ClassVar[str] = "auto"
 

@@ -23,6 +23,7 @@ from branchspec.engine.runner import ModelRunner
 from branchspec.engine.scheduler import Scheduler
 from branchspec.execution import make_executor
 from branchspec.model.model import Transformer
+from branchspec.speculative.calibration import GREEDY, SAMPLED
 from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.drafter import MTPDrafter
 from branchspec.speculative.footprint import RoundLimits, available_memory
@@ -81,7 +82,7 @@ class Engine:
             def costs(auto: AutoPolicy, show: bool = progress):
                 return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show)
 
-            policy = make_policy(spec, costs)
+            policy = make_policy(spec, costs, self.drafter.calibration if self.drafter is not None else None)
             policy.check(self.cfg, self.drafter is not None, self.round_limits())
             for c in policy.configurations:
                 if c is not None:
@@ -171,7 +172,8 @@ class Engine:
         lag = self.drafter.lag if self.drafter is not None else (lambda seq_id: 0)
         return BatchView(seq_ids=[s.seq_id for s in running], lag=[lag(s.seq_id) for s in running],
                          remaining=[s.num_remaining for s in running],
-                         context=sum(s.num_committed for s in running) / len(running))
+                         context=sum(s.num_committed for s in running) / len(running),
+                         modes=[SAMPLED if s.params.sampling_temperature > 0 else GREEDY for s in running])
 
     def _postprocess(self, running: list[Sequence], result: RoundResult) -> list[Sequence]:
         """Apply a step to its requests: committed lengths, speculative statistics, emitted
@@ -213,8 +215,10 @@ class Engine:
         if not admitted:
             return []
         running = self.scheduler.running
+        sampled = sum(s.params.sampling_temperature > 0 for s in running)
         defer = policy.uses_drafter and policy.defer_drafter(
-            len(running), sum(len(s.token_ids) for s in running) / len(running))
+            len(running), sum(len(s.token_ids) for s in running) / len(running),
+            SAMPLED if 2 * sampled > len(running) else GREEDY)
         out = self.runner.prefill(admitted, follow=policy.uses_drafter, defer=defer)
         self.phase_seconds["prefill"] += out.seconds
         done = []

@@ -1,4 +1,4 @@
-"""Measured acceptance for the calibrated draft-tree selection.
+"""Measured acceptance, for the calibrated draft-tree selection and the adaptive policy.
 
 EAGLE-2 keeps the D - 1 nodes with the highest cumulative *draft* probability: it takes
 the drafter's probability p of a child as its chance of being accepted. Whether the
@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from branchspec.config import AutoPolicy
+
 # The probability buckets' upper edges (the last bucket is (0.9, 1]).
 PROB_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
-MAX_DEPTH = 16           # deeper edges share the last depth's estimates
+MAX_DEPTH = AutoPolicy.MAX_DEPTH     # deeper edges share the last depth's estimates
 GREEDY, SAMPLED = 0, 1
 
 
@@ -57,16 +59,45 @@ def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent
     return (logp + table[b, line, rank, bucket].to(logp.dtype)).clamp(max=0.0)
 
 
-class AcceptanceModel:
-    """Decayed hits and probability mass of tries by (mode, request, main line, depth,
-    rank, probability bucket): tables [2 main/off, MAX_DEPTH, ranks, buckets].
+# Before any round, a child of rank r is accepted (given its parent was) this often,
+# whatever its probability: the marginal estimate an adaptive policy starts from
+# (`AcceptanceModel.acceptance`). Optimistic, so deep drafts get tried and then measured, at
+# the price of a few rounds where they fail. Each lower rank is accepted PRIOR_RANK_DECAY
+# times as often as the one above it; off the drafter's main line PRIOR_OFF_LINE times as
+# often as on it.
+PRIOR_RANK1, PRIOR_RANK_DECAY, PRIOR_OFF_LINE = 0.6, 0.5, 0.75
+HITS, MASS, TRIES = 0, 1, 2      # the count tables, in this order
 
-    Before any round every cell's factor c is 1 (the drafter taken at its word: the
+
+def marginal_prior(max_rank: int) -> torch.Tensor:
+    """[2 main/off, MAX_DEPTH, max_rank] the prior P(accepted | parent accepted)."""
+    ranks = PRIOR_RANK1 * PRIOR_RANK_DECAY ** torch.arange(max_rank, dtype=torch.float64)
+    main = ranks.expand(MAX_DEPTH, max_rank)
+    return torch.stack([main, main * PRIOR_OFF_LINE])
+
+
+class AcceptanceModel:
+    """The engine's measured acceptance: decayed counts by (mode, request, main line,
+    depth, rank, probability bucket), read two ways.
+
+    Three tables share the cells [2 main/off, MAX_DEPTH, ranks, buckets]: hits (accepted
+    tries), mass (the drafter's probability summed over the tries) and tries.
+    - The calibrated selection reads each cell's factor c = hits / mass (`log_factors`).
+    - An adaptive policy reads each (line, depth, rank)'s acceptance, hits / tries over
+      every bucket (`acceptance`): what a node of that kind is worth before this round's
+      draft probabilities are known, to weigh budgets D (or no speculation) against their
+      round times.
+    Both come from the same verified rounds, so the policy and the selection never disagree
+    about what was accepted.
+
+    Before any round every cell's factor is 1 (the drafter taken at its word: the
     calibrated selection starts as EAGLE-2's), with the weight of `prior_observations`
-    tries at the bucket's middle probability.
+    tries at the bucket's middle probability, and the marginal acceptance is
+    `marginal_prior`'s. Per-request counts live in rows of one array (row 0 stays zero: a
+    request without counts reads the engine-wide ones).
     """
 
-    def __init__(self, max_rank: int = 8, decay: float = 0.9, prior_weight: float = 4.0,
+    def __init__(self, max_rank: int = AutoPolicy.MAX_RANK, decay: float = 0.9, prior_weight: float = 4.0,
                  prior_observations: float = 4.0, global_memory: int = 100):
         self.R, self.decay, self.prior_weight, self.prior_observations = max_rank, decay, prior_weight, \
             prior_observations
@@ -75,29 +106,76 @@ class AcceptanceModel:
         self.edges = torch.tensor(PROB_EDGES, dtype=torch.float64)
         middle = (edges[:-1] + edges[1:]) / 2                                # [buckets]
         shape = (2, MAX_DEPTH, self.R, len(middle))
-        # (hits, mass): accepted tries, and the drafter's probability summed over the tries
-        self.prior_hits = middle.expand(shape).clone() * prior_observations
-        self.prior_mass = self.prior_hits.clone()
-        self.global_counts = [(self.prior_hits.clone(), self.prior_mass.clone()) for _ in (GREEDY, SAMPLED)]
-        self.requests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        hits = middle.expand(shape) * prior_observations
+        # tries such that each (line, depth, rank)'s prior hits / tries is the marginal prior
+        tries = hits / marginal_prior(self.R)[..., None]
+        self.prior = torch.stack([hits, hits, tries])                        # [3, *shape]: hits, mass, tries
+        self.global_counts = self.prior.expand(2, *self.prior.shape).clone()  # [modes, 3, *shape]
+        self._rows: dict[int, int] = {}
+        self._free: list[int] = []
+        self._tables = torch.zeros(1, *self.prior.shape, dtype=torch.float64)    # [rows, 3, *shape]
+
+    @property
+    def prior_hits(self) -> torch.Tensor:
+        return self.prior[HITS]
+
+    @property
+    def prior_mass(self) -> torch.Tensor:
+        return self.prior[MASS]
+
+    # -- rows ----------------------------------------------------------------------------
+    def _lookup(self, seq_ids: list[int]) -> torch.Tensor:
+        """Each request's row, 0 (all zero) for one without counts."""
+        return torch.tensor([self._rows.get(s, 0) for s in seq_ids], dtype=torch.long)
+
+    def _rows_for(self, seq_ids: list[int]) -> torch.Tensor:
+        """Each request's row, a fresh zero one for a request without counts."""
+        for sid in seq_ids:
+            if sid not in self._rows:
+                if not self._free:
+                    n = len(self._tables)
+                    self._tables = torch.cat([self._tables, torch.zeros_like(self._tables)])
+                    self._free = list(range(2 * n - 1, n - 1, -1))
+                self._rows[sid] = self._free.pop()
+        return self._lookup(seq_ids)
+
+    def counts(self, seq_id: int) -> torch.Tensor | None:
+        """A request's own [3, 2, MAX_DEPTH, R, buckets] (hits, mass, tries), None before
+        its first round."""
+        row = self._rows.get(seq_id)
+        return None if row is None else self._tables[row]
 
     def forget(self, seq_id: int) -> None:
-        self.requests.pop(seq_id, None)
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._tables[row] = 0.0
+            self._free.append(row)
+
+    # -- reading -------------------------------------------------------------------------
+    def _engine_wide(self, modes: list[int]) -> torch.Tensor:
+        """[B, 3, *cells] the engine-wide counts of each request's mode, never 0 / 0
+        however long a cell went unseen."""
+        return self.global_counts[torch.tensor(modes, dtype=torch.long)] + 1e-3 * self.prior
 
     def log_factors(self, seq_ids: list[int], modes: list[int]) -> torch.Tensor:
         """[B, 2, MAX_DEPTH, R, buckets] log c of each request's cells: its own counts
         shrunk towards the engine-wide ratio with `prior_weight` tries' mass."""
-        rows = []
-        for sid, mode in zip(seq_ids, modes):
-            gh, gm = self.global_counts[mode]
-            g = (gh + 1e-3 * self.prior_hits) / (gm + 1e-3 * self.prior_mass)   # never 0 / 0, however long unseen
-            own = self.requests.get(sid)
-            if own is None:
-                rows.append(g)
-            else:
-                w = self.prior_mass * (self.prior_weight / self.prior_observations)   # the mass of prior_weight tries
-                rows.append((own[0] + w * g) / (own[1] + w))
-        return torch.stack(rows).clamp(min=1e-3).log()
+        g = self._engine_wide(modes)
+        g = g[:, HITS] / g[:, MASS]
+        own = self._tables[self._lookup(seq_ids)]
+        w = self.prior_mass * (self.prior_weight / self.prior_observations)   # the mass of prior_weight tries
+        return ((own[:, HITS] + w * g) / (own[:, MASS] + w)).clamp(min=1e-3).log()
+
+    def acceptance(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4) -> torch.Tensor:
+        """[B, 2, MAX_DEPTH, R] estimated P(rank-r child at depth d accepted | parent
+        accepted), whatever its probability, for parents on the drafter's main line and
+        off it: each request's own hits / tries shrunk towards the engine-wide ratio with
+        `prior_weight` tries, never below `floor`."""
+        g = self._engine_wide(modes).sum(dim=-1)
+        g = g[:, HITS] / g[:, TRIES]
+        own = self._tables[self._lookup(seq_ids)].sum(dim=-1)
+        w = self.prior_weight
+        return ((own[:, HITS] + w * g) / (own[:, TRIES] + w)).clamp(floor, 1.0)
 
     def bucket(self, prob: torch.Tensor) -> torch.Tensor:
         """The probability bucket of each drafter probability (same shape)."""
@@ -108,40 +186,49 @@ class AcceptanceModel:
         """`edge_log_values` with this model's buckets."""
         return edge_log_values(log_c, self.edges, depth, parent_main, logp)
 
+    # -- learning ------------------------------------------------------------------------
     @torch.no_grad()
     def observe(self, seq_ids: list[int], modes: list[int], children: torch.Tensor, children_logp: torch.Tensor,
                 targets: torch.Tensor) -> None:
-        """One verified round: children [B, D, k] the drafter's proposals after each
-        accepted-path node (-1: not expanded), children_logp [B, D, k] their drafter
-        log-probabilities, targets [B, D] the target's token at each path node (-1 past
-        the path)."""
+        """One verified round over distinct requests: children [B, D, k] the drafter's
+        proposals after each accepted-path node (-1: not expanded), children_logp [B, D, k]
+        their drafter log-probabilities (at each request's temperature), targets [B, D] the
+        target's token at each path node (-1 past the path)."""
         D, k = min(children.shape[1], MAX_DEPTH), min(children.shape[2], self.R)
         ch, p = children[:, :D, :k].cpu(), children_logp[:, :D, :k].cpu().double().exp()
         tg = targets[:, :D, None].cpu()
+        B = ch.shape[0]
         valid = (ch >= 0) & (tg >= 0)                                       # [B, D, k]
         hit = valid & (ch == tg)
-        main = torch.ones(hit.shape[:2], dtype=torch.bool)                  # path node i on the main line
+        main = torch.ones(B, D, dtype=torch.bool)                           # path node i on the main line
         main[:, 1:] = torch.cumprod(hit[:, :-1, 0].long(), dim=1).bool()
-        bucket = self.bucket(p)                                             # [B, D, k]
-        shape = self.prior_hits.shape
-        gd = max(self.decay ** (1.0 / len(seq_ids)), 1.0 - 1.0 / self.global_memory)
-        line_of = (~main).long()[..., None].expand_as(ch)
-        depth = torch.arange(D)[:, None].expand(D, k)
-        rank = torch.arange(k)[None].expand(D, k)
-        for b, (sid, mode) in enumerate(zip(seq_ids, modes)):
-            h, m = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
-            idx = (line_of[b], depth, rank, bucket[b])
-            m.index_put_(tuple(i[valid[b]] for i in idx), p[b][valid[b]], accumulate=True)
-            h.index_put_(tuple(i[hit[b]] for i in idx), torch.ones(int(hit[b].sum()), dtype=torch.float64),
-                         accumulate=True)
-            own = self.requests.get(sid)
-            if own is None:
-                self.requests[sid] = (h, m)
-            else:
-                own[0].mul_(self.decay).add_(h)
-                own[1].mul_(self.decay).add_(m)
-            # Engine-wide: one decay every batch-size rounds, with a memory of at least
-            # `global_memory` rounds.
-            gh, gm = self.global_counts[mode]
-            gh.mul_(gd).add_(h)
-            gm.mul_(gd).add_(m)
+        line = (~main).long()[..., None].expand(B, D, k)
+        depth = torch.arange(D)[None, :, None].expand(B, D, k)
+        rank = torch.arange(k)[None, None].expand(B, D, k)
+        request = torch.arange(B)[:, None, None].expand(B, D, k)
+        cell = (request, line, depth, rank, self.bucket(p))
+        new = torch.zeros(B, *self.prior.shape, dtype=torch.float64)       # [B, 3, *cells]
+        for table, mask, value in ((HITS, hit, None), (MASS, valid, p), (TRIES, valid, None)):
+            idx = tuple(i[mask] for i in cell)
+            add = value[mask] if value is not None else torch.ones(idx[0].shape, dtype=torch.float64)
+            new[:, table].index_put_(idx, add, accumulate=True)
+        rows = self._rows_for(seq_ids)
+        self._tables[rows] = self._tables[rows] * self.decay + new
+        # Engine-wide: one decay every batch-size rounds, with a memory of at least
+        # `global_memory` rounds (at batch 1 the one request's last ten rounds are too few).
+        gd = max(self.decay ** (1.0 / B), 1.0 - 1.0 / self.global_memory)
+        mode = torch.tensor(modes, dtype=torch.long)
+        for m in set(modes):
+            self.global_counts[m] = self.global_counts[m] * gd + new[mode == m].sum(dim=0)
+
+    def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
+        """`rounds` rounds without drafts over these requests: each one's own counts decay
+        as in a speculative round (its estimate returns towards the engine-wide one), and
+        the engine-wide counts of their modes drift back towards the prior by `rate` a
+        round, so a few unlucky rounds do not rule speculation out for good."""
+        rows = self._lookup(seq_ids)
+        rows = rows[rows > 0]
+        self._tables[rows] = self._tables[rows] * self.decay ** rounds
+        drift = (1.0 - rate) ** rounds
+        for m in set(modes):
+            self.global_counts[m] = drift * self.global_counts[m] + (1.0 - drift) * self.prior

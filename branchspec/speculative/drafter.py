@@ -249,11 +249,11 @@ class MTPDrafter:
             raise RuntimeError(f"the drafter has not followed requests {missing}: no target hidden state to start from")
         prev_hidden = torch.stack([self.states[sid].last_hidden for sid in seq_ids])   # [B, d]
         root = self._roots_ahead(seq_ids, lengths.tolist())
-        log_q = scale = None
+        temps = temperature or [0.0] * len(seq_ids)
+        log_q = None
         if spec.selection == "calibrated":
-            temps = temperature or [0.0] * len(seq_ids)
             log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps])
-            scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
         return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q,
                           scale)
 
@@ -271,10 +271,10 @@ class MTPDrafter:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
         committed: the drafter's KV for positions < L (from the paged pool); root: the
         drafter's output at the root when already computed (`DraftRoot`), else computed
-        here; log_q, scale: the calibrated selection's log calibration factors
-        (`AcceptanceModel.log_factors`) and the temperature [B] it reads each request's
-        drafter distribution at (1: greedy), None for EAGLE-2. The growth itself is one
-        call of the executor (`growth.grow_trees`)."""
+        here; log_q: the calibrated selection's log calibration factors
+        (`AcceptanceModel.log_factors`), None for EAGLE-2; scale: the temperature [B] each
+        request's children are valued and learnt at (1: greedy; None: 1 for all). The
+        growth itself is one call of the executor (`growth.grow_trees`)."""
         if root is None:   # step 1: the root's MTP slot at position L
             out = self.executor.drafter(root_ids[:, None], prev_hidden[:, None],
                                         chain_meta(num_committed, 1, (), max_new=1), committed)
@@ -285,7 +285,7 @@ class MTPDrafter:
         inputs = GrowthInputs(root_ids=root_ids, root_k=root.k, root_hidden=root.hidden, root_logits=root.logits,
                               num_committed=num_committed, committed=committed,
                               log_q=None if log_q is None else log_q.to(device),
-                              scale=None if scale is None else scale.to(device))
+                              scale=torch.ones(len(root_ids), device=device) if scale is None else scale.to(device))
         shared = {"prob_edges": self.calibration.edges.to(device)} if plan.calibrated else {}
         if plan.reduced_vocab:
             shared.update(head_rows=self.head_rows, vocab_ids=self.vocab_ids)

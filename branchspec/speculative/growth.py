@@ -48,11 +48,12 @@ class GrowthInputs:
     root_logits: torch.Tensor     # [B, N] its drafter logits
     num_committed: torch.Tensor   # [B] L
     committed: LayerState         # the drafter's KV for positions < L
-    # The calibrated selection's: log calibration factors [B, 2, depths, ranks, buckets]
-    # (`AcceptanceModel.log_factors`), and the temperature each request's children are
-    # valued at [B] (1: greedy).
+    # The temperature each request's children are valued (calibrated selection) and learnt
+    # (`AcceptanceModel.observe`) at [B] (1: greedy).
+    scale: torch.Tensor
+    # The calibrated selection's log calibration factors [B, 2, depths, ranks, buckets]
+    # (`AcceptanceModel.log_factors`).
     log_q: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
 
 
 # What every request shares (`grow_trees`'s `shared`, not batched): "head_rows" [N, n*d]
@@ -81,9 +82,8 @@ def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: di
     def token_ids(index: torch.Tensor) -> torch.Tensor:             # drafted-vocabulary index -> token id
         return shared["vocab_ids"][index] if plan.reduced_vocab else index
 
-    def value_logp(logits: torch.Tensor, index: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        if not plan.calibrated:
-            return logp
+    def value_logp(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities of the chosen children at each request's temperature."""
         view = x.scale.view(-1, *([1] * (logits.dim() - 1)))
         return torch.log_softmax(logits.float() / view, dim=-1).gather(-1, index)
 
@@ -96,7 +96,7 @@ def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: di
     logp = torch.log_softmax(x.root_logits.float(), dim=-1)
     cand_score, cand_index = logp.topk(k, dim=-1)                   # [B, k]
     cand_tok = token_ids(cand_index)
-    root_lp = value_logp(x.root_logits, cand_index, cand_score)     # [B, k]
+    root_lp = value_logp(x.root_logits, cand_index)                 # [B, k]
     root_main = torch.ones(B, 1, dtype=torch.bool, device=device)
     cand_value = edge_values(1, root_main, root_lp[:, None])[:, 0] if plan.calibrated else cand_score
     cand_main = (arange_k == 0).expand(B, k)                        # [B, C] on the main line
@@ -133,7 +133,7 @@ def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: di
         logits = logits_of(out.hidden)                                          # [B, k, N]
         child_lp, child_index = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)   # [B, k, k]
         child_tok = token_ids(child_index)
-        child_vlp = value_logp(logits, child_index, child_lp)
+        child_vlp = value_logp(logits, child_index)
         child_score = (cand_score.gather(1, frontier)[..., None] + child_lp).reshape(B, k * k)
         parent_main = cand_main.gather(1, frontier)                             # [B, k]
         if plan.calibrated:

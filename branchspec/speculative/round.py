@@ -122,8 +122,10 @@ class SpeculativeRound:
                             spec.num_draft_tokens)
         clock.lap("draft_extend")
 
+        # What the round says about acceptance, for the calibrated selection's next trees and
+        # an adaptive policy's next choices alike.
         children, targets = self._path_observations(tree.children, acc, path_tokens)
-        if spec.selection == "calibrated":    # what the next rounds' selection values nodes by
+        if children is not None:
             D, k = tree.children_logp.shape[1:]
             logp = tree.children_logp.gather(1, acc.path[..., None].expand(batch.size, D, k))
             self.drafter.learn(ids, temperature, children, logp, targets)

@@ -7,22 +7,19 @@ of B requests, the policy estimates
 
 and runs the argmax. Both factors are measured, not assumed:
 
-* **Acceptance** (`acceptance.AcceptanceStats`): for every request, decayed counts of how often the
-  drafter's rank-r proposal after an accepted depth-d node was the target's token there,
-  kept apart on and off the drafter's main line (rank = order of the drafter's
-  probability). The proposals are compared whether or not the tree kept them, so the
-  counts are not biased towards the nodes a tree happened to keep. Under this positional
-  model a node reached by ranks r_1..r_j is accepted with probability q(1, r_1) ...
-  q(j, r_j), and a candidate's expected accept length is 1 (the bonus token) plus the sum
-  of its best D-1 node values within its depth and branching. That is the tree EAGLE-2's
-  selection aims for. What the model still misses (EAGLE-2 picks each round's tree from
-  that round's draft confidence) is measured as observed / predicted accepted tokens, per
-  kind (chain, tree) and refined per candidate, and corrected for; evidence of what did
-  not run fades, so a calibration that unlucky rounds set low is tried again. A request's
-  counts start from the engine-wide
-  ones (worth `prior_weight` observations), which start from an optimistic prior, so
-  depths no round has tried yet get tried. Plain rounds let that evidence fade, so a few
-  unlucky rounds do not rule speculation out for good.
+* **Acceptance**: the engine's measured acceptance (`calibration.AcceptanceModel`, the
+  very counts the calibrated selection values nodes by), read per request as how often
+  the drafter's rank-r proposal after an accepted depth-d node was the target's token
+  there, on and off the drafter's main line, kept apart for greedy and sampled requests.
+  Every verified round teaches it (the round does, whichever policy chose the round); the
+  policy only reads it. A candidate's expected accept length is 1 (the bonus token) plus
+  the sum of its best D-1 node values under that positional model
+  (`acceptance.ExpectedAccept`). What the model still misses (a selection picks each
+  round's tree from that round's draft probabilities) is measured as observed / predicted
+  accepted tokens, per kind (chain, tree) and refined per candidate, and corrected for;
+  evidence of what did not run fades, so a calibration that unlucky rounds set low is
+  tried again. Plain rounds let the acceptance evidence fade too, so a few unlucky rounds
+  do not rule speculation out for good.
 * **Round time** (`costs.CostModel`): the target's and the drafter's forward time at (batch,
   tokens per request, committed context), measured once on this machine at start-up,
   through the execution path the engine runs (eager or compiled), and cached on disk,
@@ -52,7 +49,8 @@ from typing import Callable
 import numpy as np
 
 from branchspec.config import AutoPolicy, ModelConfig, SpecConfig, spec_label
-from branchspec.speculative.policy.acceptance import NEW_REQUEST, AcceptanceStats
+from branchspec.speculative.calibration import GREEDY, AcceptanceModel
+from branchspec.speculative.policy.acceptance import ExpectedAccept
 from branchspec.speculative.footprint import RoundLimits
 from branchspec.speculative.policy.base import BatchView, check_speculation
 from branchspec.speculative.policy.costs import CostModel
@@ -60,6 +58,8 @@ from branchspec.speculative.policy.tuning import TUNING, Tuning
 from branchspec.speculative.round import RoundResult
 
 KINDS = ("chain", "tree")
+# A request id no request has: its acceptance is the engine-wide one.
+NEW_REQUEST = -1
 
 
 def _kind(spec: SpecConfig) -> str:
@@ -72,9 +72,11 @@ class AdaptivePolicy:
 
     name = "auto"
 
-    def __init__(self, policy: AutoPolicy, costs: CostModel | Callable[..., CostModel], tuning: Tuning = TUNING):
+    def __init__(self, policy: AutoPolicy, costs: CostModel | Callable[..., CostModel], tuning: Tuning = TUNING,
+                 acceptance: AcceptanceModel | None = None):
         """costs: the round-cost model, or what makes it (called with the policy on first
-        need, or by `prepare`: measuring takes a while)."""
+        need, or by `prepare`: measuring takes a while); acceptance: the engine's
+        measured acceptance, which its rounds teach (its drafter's; None: a fresh one)."""
         self.policy, self.tuning = policy, tuning
         self._costs, self._make_costs = (costs, None) if isinstance(costs, CostModel) else (None, costs)
         self.configurations = policy.candidates
@@ -82,7 +84,9 @@ class AdaptivePolicy:
                             f"D up to {policy.max_draft_tokens})")
         self.max_draft_tokens = policy.max_draft_tokens
         self.uses_drafter = bool(policy.speculative)
-        self.stats = AcceptanceStats(policy, tuning)
+        self.acceptance = acceptance if acceptance is not None else AcceptanceModel()
+        self.specs = policy.speculative
+        self.expected = ExpectedAccept(self.specs, self.acceptance.R)
         self.counts: Counter[str] = Counter()        # rounds per configuration label
         self.decide_seconds = 0.0
         self.last_choice: SpecConfig | None = None
@@ -96,6 +100,7 @@ class AdaptivePolicy:
         # Plain rounds over one batch not yet applied to the statistics: they only make
         # estimates drift, so they are applied together when an estimate is next needed.
         self._plain_batch: tuple[int, ...] | None = None
+        self._plain_modes: list[int] = []
         self._plain_rounds = 0
         self._period_scale = 1
 
@@ -114,11 +119,17 @@ class AdaptivePolicy:
         if self.uses_drafter:
             check_speculation(self.policy.speculative, cfg, has_drafter, limits)
 
-    def defer_drafter(self, batch_size: int, context: float) -> bool:
+    def expected_accept(self, seq_ids: list[int], modes: list[int] | None = None) -> np.ndarray:
+        """[B, C] each speculative candidate's expected tokens per round for each request
+        (greedy ones where `modes` is None), before calibration."""
+        modes = modes if modes is not None else [GREEDY] * len(seq_ids)
+        return self.expected(self.acceptance.acceptance(seq_ids, modes, self.tuning.acceptance_floor).numpy())
+
+    def defer_drafter(self, batch_size: int, context: float, mode: int = GREEDY) -> bool:
         """The drafter's prefill runs with the target's, as a fixed configuration's does,
         unless plain decoding may run and is expected to win at this batch size: then each
         prompt joins its request's drafter lag, fed only if a speculative round comes."""
-        return None in self.policy.candidates and not self.expects_speculation(batch_size, context)
+        return None in self.policy.candidates and not self.expects_speculation(batch_size, context, mode)
 
     def choose(self, batch: BatchView) -> SpecConfig | None:
         """The configuration for the next round over these requests (see `BatchView`:
@@ -139,37 +150,38 @@ class AdaptivePolicy:
             self._rounds_since += 1
             best = self.last_choice
         else:
-            best = self._decide(seq_ids, batch.lag, batch.remaining, batch.context)
+            best = self._decide(seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
             self._last_batch, self._rounds_since = key, 0
         self.counts[spec_label(best)] += 1
         self.decide_seconds += time.perf_counter() - t0
         return best
 
-    def expects_speculation(self, batch: int, context: float | None = None) -> bool:
-        """Would a round over `batch` requests the engine knows nothing about yet speculate?
+    def expects_speculation(self, batch: int, context: float | None = None, mode: int = GREEDY) -> bool:
+        """Would a round over `batch` requests (of `mode`) the engine knows nothing about yet speculate?
         Judged from the engine-wide statistics alone, with no catch-up to pay: the engine
         asks at admission whether to feed the drafter the prompts now, with the target's
         prefill, or only if a speculative round comes."""
-        if not self.stats.specs:
+        if not self.specs:
             return False
         self._settle_plain()
         B = max(1, batch)
         plain = B / self.costs.round_seconds(None, B, context) if None in self.policy.candidates else 0.0
-        tokens, seconds = self._speculative(B * self.stats.expected_accept([NEW_REQUEST])[0], B, context)
+        tokens, seconds = self._speculative(B * self.expected_accept([NEW_REQUEST], [mode])[0], B, context)
         return bool((tokens / seconds).max() > (1 + self.tuning.plain_margin) * plain)
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
-                remaining: list[int] | None = None, context: float | None = None) -> SpecConfig | None:
+                remaining: list[int] | None = None, context: float | None = None,
+                modes: list[int] | None = None) -> SpecConfig | None:
         self._settle_plain()
         B = len(seq_ids)
-        specs = self.stats.specs
+        specs = self.specs
         options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
         rates = np.empty(len(options))
         if options[0] is None:
             rates[0] = B / self.costs.round_seconds(None, B, context)
         emitted = None
         if specs:
-            per_request = self.stats.expected_accept(seq_ids)                 # [B, C]
+            per_request = self.expected_accept(seq_ids, modes)                # [B, C]
             if remaining:     # a request near its budget cannot emit more than it has left
                 per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
@@ -202,25 +214,24 @@ class AdaptivePolicy:
     def _speculative(self, emitted: np.ndarray, B: int, context: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Each speculative candidate's calibrated tokens per round and round seconds [C],
         for B requests whose positional model expects `emitted` [C] tokens a round in all."""
-        calibration = np.array([self.calibration(spec) for spec in self.stats.specs])
-        return B + calibration * (emitted - B), self.costs.round_seconds_of(self.stats.specs, B, context)
+        calibration = np.array([self.calibration(spec) for spec in self.specs])
+        return B + calibration * (emitted - B), self.costs.round_seconds_of(self.specs, B, context)
 
     def observe(self, batch: BatchView, result: RoundResult) -> None:
         """The outcome of the round `choose` picked over `batch`: its wall time, and for a
-        speculative round the drafter's proposals against the target's tokens along each
-        accepted path and the path lengths."""
+        speculative round its accepted path lengths against the prediction. (What it says
+        about acceptance, the round itself taught the engine's `AcceptanceModel`.)"""
         t0 = time.perf_counter()
         spec, seq_ids = result.spec, batch.seq_ids
         self.costs.observe(spec, len(seq_ids), result.seconds, batch.context)
         if spec is None:
-            batch = tuple(seq_ids)
-            if batch != self._plain_batch:
+            key = tuple(seq_ids)
+            if key != self._plain_batch:
                 self._settle_plain()
-                self._plain_batch = batch
+                self._plain_batch, self._plain_modes = key, list(batch.modes or [GREEDY] * len(key))
             self._plain_rounds += 1
         elif result.path_children is not None:
             self._settle_plain()
-            self.stats.observe(seq_ids, result.path_children, result.path_targets)
             if self._predicted_per_request is not None and spec is self.last_choice:
                 self._calibrate(spec, float(sum(result.path_len)), self._predicted_per_request * len(seq_ids),
                                 len(seq_ids))
@@ -232,7 +243,7 @@ class AdaptivePolicy:
         towards level (by `plain_fade` a round), exactly as one round at a time would."""
         if self._plain_rounds:
             batch, n = self._plain_batch, self._plain_rounds
-            self.stats.relax(list(batch), rounds=n)
+            self.acceptance.relax(list(batch), self._plain_modes, n, self.tuning.relax_rate)
             self._fade_calibration(self.tuning.plain_fade ** n)
         self._plain_batch, self._plain_rounds = None, 0
 
@@ -276,4 +287,4 @@ class AdaptivePolicy:
 
     def forget(self, seq_id: int) -> None:
         self._settle_plain()
-        self.stats.forget(seq_id)
+        self.acceptance.forget(seq_id)

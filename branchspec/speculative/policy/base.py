@@ -19,6 +19,9 @@ class BatchView:
     lag: list[int]          # per request, committed positions its drafter has not followed
     remaining: list[int]    # per request, tokens it may still emit
     context: float          # mean committed length (forwards over a longer context cost more)
+    # per request, GREEDY or SAMPLED (`calibration`): acceptance is measured apart for
+    # each (None: all greedy)
+    modes: list[int] | None = None
 
 
 class SpecPolicy(Protocol):
@@ -40,9 +43,10 @@ class SpecPolicy(Protocol):
     def prepare(self, progress: bool = False) -> None:
         """Measure now what the policy would otherwise measure on first use."""
 
-    def defer_drafter(self, batch_size: int, context: float) -> bool:
+    def defer_drafter(self, batch_size: int, context: float, mode: int = 0) -> bool:
         """At admission: leave the prompts' drafter prefill as lag (fed only if a
-        speculative round comes) rather than running it with the target's."""
+        speculative round comes) rather than running it with the target's. mode: what
+        most of the batch decodes by (`calibration.GREEDY` or `SAMPLED`)."""
 
     def choose(self, batch: BatchView) -> SpecConfig | None: ...
 

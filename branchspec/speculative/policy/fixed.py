@@ -32,7 +32,7 @@ class FixedPolicy:
     def prepare(self, progress: bool = False) -> None:
         pass
 
-    def defer_drafter(self, batch_size: int, context: float) -> bool:
+    def defer_drafter(self, batch_size: int, context: float, mode: int = 0) -> bool:
         return False
 
     def choose(self, batch: BatchView) -> SpecConfig | None:

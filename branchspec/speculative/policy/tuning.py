@@ -11,19 +11,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Tuning:
-    # -- acceptance statistics (acceptance.py) ---------------------------------------------
-    # Before anything is observed the rank-1 child is accepted this often: optimistic, so
-    # deep drafts get tried and then measured, at the price of a few rounds where they fail.
-    prior_rank1: float = 0.6
-    # Each lower sibling rank is accepted this fraction as often as the one above it.
-    prior_rank_decay: float = 0.5
-    # Off the drafter's main line the prior is this fraction of the main line's.
-    prior_off_line: float = 0.75
-    # The prior's weight, in observations: higher resists early noise, lower adapts sooner.
-    prior_observations: float = 4.0
-    # The engine-wide statistics remember at least about this many rounds: longer is
-    # steadier, shorter follows a change of text sooner.
-    global_memory: int = 100
+    # -- reading the measured acceptance (calibration.AcceptanceModel, whose own prior and
+    # memory the calibrated selection shares) -------------------------------------------------
     # Per plain round, the engine-wide statistics drift this much back towards the prior,
     # so a few unlucky rounds do not rule speculation out for good (higher: retried sooner).
     relax_rate: float = 0.01
