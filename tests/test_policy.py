@@ -199,8 +199,9 @@ def test_auto_policy_sampled_follows_target_distribution(tmp_path):
 
 def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
     chain = SpecConfig.chain(4)
-    expected = ExpectedAccept((chain, SpecConfig(2, 2, 4)), max_rank=2)
-    q = np.full((2, MAX_DEPTH, 2), 0.1)
+    expected = ExpectedAccept((chain, SpecConfig(2, 2, 4)))
+    assert (expected.depth, expected.R) == (3, 2)          # the most steps, the largest topk
+    q = np.full((2, 3, 2), 0.1)
     q[0, 0, 0], q[0, 1, 0], q[0, 2, 0] = 0.9, 0.5, 0.2          # main line, rank 1
     q[1, 1, 0] = 0.3                                              # off the main line, rank 1
     e = expected(q[None])
@@ -215,8 +216,9 @@ def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
     D-1 largest path products among the nodes within its depth and branching."""
     policy = SpecConfig.auto()
     rng = np.random.default_rng(0)
-    q = rng.uniform(0.05, 1.0, size=(3, 2, MAX_DEPTH, AutoPolicy.MAX_RANK))
-    e = ExpectedAccept(policy.speculative, AutoPolicy.MAX_RANK)(q)
+    expected = ExpectedAccept(policy.speculative)
+    q = rng.uniform(0.05, 1.0, size=(3, 2, expected.depth, expected.R))
+    e = expected(q)
     for c, spec in enumerate(policy.speculative):
         for b in range(3):
             values = []
@@ -280,14 +282,19 @@ def test_greedy_and_sampled_acceptance_are_kept_apart():
     assert model.acceptance([NEW_REQUEST], [SAMPLED])[0, 0, 0, 0] < 0.5 * before[0, 0, 0, 0]
 
 
-def test_the_policy_reads_the_acceptance_every_round_teaches(trained_ckpt, prompts):
+def test_the_policy_reads_the_acceptance_its_rounds_teach(trained_ckpt, prompts):
     """One measured acceptance per engine: an adaptive policy reads the drafter's, which
-    the rounds of any configuration teach (here a fixed EAGLE-2 tree's)."""
+    its rounds teach, EAGLE-2 trees and chains as well as calibrated trees; a fixed
+    EAGLE-2 configuration's rounds do not pay for learning what nobody reads."""
     llm = LLM(trained_ckpt, dtype="float64", max_batch_size=8)
-    runner = llm.engine.policy(SpecConfig.auto())
+    policy = SpecConfig.auto()
+    runner = force_cycle(llm, policy, order=(SpecConfig(3, 2, 6), SpecConfig.chain(4)))
     assert runner.acceptance is llm.engine.drafter.calibration
     before = runner.acceptance.acceptance([NEW_REQUEST], [GREEDY]).clone()
-    llm.generate(prompts[:2], SamplingParams(max_tokens=16, ignore_eos=True), spec=SpecConfig(3, 2, 6))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm.generate(prompts[:2], params, spec=SpecConfig(3, 2, 6))
+    assert torch.equal(runner.acceptance.acceptance([NEW_REQUEST], [GREEDY]), before)
+    llm.generate(prompts[:2], params, spec=policy)
     assert not torch.equal(runner.acceptance.acceptance([NEW_REQUEST], [GREEDY]), before)
 
 

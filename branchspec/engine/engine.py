@@ -163,7 +163,7 @@ class Engine:
         batch = self._view(running)
         chosen = policy.choose(batch)
         self.num_steps += 1
-        result = self.runner.step(running, chosen, follow=policy.uses_drafter)
+        result = self.runner.step(running, chosen, follow=policy.uses_drafter, learn=policy.reads_acceptance)
         policy.observe(batch, result)
         self.num_spec_rounds += result.spec is not None
         return done + self._postprocess(running, result)

@@ -183,13 +183,14 @@ class ModelRunner:
             start += m
 
     # -- one step -----------------------------------------------------------------------
-    def step(self, seqs: list[Sequence], spec: SpecConfig | None, follow: bool) -> RoundResult:
+    def step(self, seqs: list[Sequence], spec: SpecConfig | None, follow: bool, learn: bool = False) -> RoundResult:
         """A plain decode step (spec None) or a speculative round of `spec` over the batch.
-        follow: plain steps feed the drafter's lag (speculative rounds may come later)."""
+        follow: plain steps feed the drafter's lag (speculative rounds may come later);
+        learn: a speculative round teaches the measured acceptance (see `SpeculativeRound.run`)."""
         batch = self.batch(seqs)
         if spec is None:
             return self.decode(batch, follow)
-        return self.speculative.run(batch, spec)
+        return self.speculative.run(batch, spec, learn)
 
     @torch.no_grad()
     def decode(self, batch: RoundBatch, follow: bool) -> RoundResult:

@@ -43,14 +43,14 @@ def bucket_of(prob: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
 
 def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent_main: torch.Tensor,
                     logp: torch.Tensor) -> torch.Tensor:
-    """log q of the children of one step's parents: log_c [B, 2, MAX_DEPTH, R, buckets]
-    (`AcceptanceModel.log_factors`); edges the buckets' upper edges; depth the children's
+    """log q of the children of one step's parents: log_c [B, 2, depths, R, buckets]
+    (`AcceptanceModel.log_factors`, at least `depth` deep); edges the buckets' upper edges; depth the children's
     depth (1 = the root's children); parent_main [B, P] bool; logp [B, P, k] the drafter's
     log-probabilities of each parent's top-k children, best first -> [B, P, k], never above
     0. A pure function of tensors (the compiled growth runs it in its graph)."""
     B, P, k = logp.shape
     R = log_c.shape[3]
-    d = min(depth, MAX_DEPTH) - 1
+    d = min(depth, log_c.shape[2]) - 1
     rank = torch.arange(k, device=logp.device).clamp(max=R - 1).expand(B, P, k)
     line = (~parent_main).long()[..., None].expand(B, P, k)
     bucket = bucket_of(logp.exp(), edges)
@@ -94,7 +94,9 @@ class AcceptanceModel:
     calibrated selection starts as EAGLE-2's), with the weight of `prior_observations`
     tries at the bucket's middle probability, and the marginal acceptance is
     `marginal_prior`'s. Per-request counts live in rows of one array (row 0 stays zero: a
-    request without counts reads the engine-wide ones).
+    request without counts reads the engine-wide ones), each row stored divided by its
+    own scale: decaying a request's counts multiplies its scale, so a round costs work in
+    proportion to its proposals, not to the tables' size.
     """
 
     def __init__(self, max_rank: int = AutoPolicy.MAX_RANK, decay: float = 0.9, prior_weight: float = 4.0,
@@ -113,7 +115,8 @@ class AcceptanceModel:
         self.global_counts = self.prior.expand(2, *self.prior.shape).clone()  # [modes, 3, *shape]
         self._rows: dict[int, int] = {}
         self._free: list[int] = []
-        self._tables = torch.zeros(1, *self.prior.shape, dtype=torch.float64)    # [rows, 3, *shape]
+        self._tables = torch.zeros(1, *self.prior.shape, dtype=torch.float64)    # [rows, 3, *shape] / scale
+        self._scale = torch.ones(1, dtype=torch.float64)                           # [rows]
 
     @property
     def prior_hits(self) -> torch.Tensor:
@@ -135,6 +138,7 @@ class AcceptanceModel:
                 if not self._free:
                     n = len(self._tables)
                     self._tables = torch.cat([self._tables, torch.zeros_like(self._tables)])
+                    self._scale = torch.cat([self._scale, torch.ones_like(self._scale)])
                     self._free = list(range(2 * n - 1, n - 1, -1))
                 self._rows[sid] = self._free.pop()
         return self._lookup(seq_ids)
@@ -143,39 +147,52 @@ class AcceptanceModel:
         """A request's own [3, 2, MAX_DEPTH, R, buckets] (hits, mass, tries), None before
         its first round."""
         row = self._rows.get(seq_id)
-        return None if row is None else self._tables[row]
+        return None if row is None else self._tables[row] * self._scale[row]
 
     def forget(self, seq_id: int) -> None:
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self._tables[row] = 0.0
+            self._scale[row] = 1.0
             self._free.append(row)
 
     # -- reading -------------------------------------------------------------------------
-    def _engine_wide(self, modes: list[int]) -> torch.Tensor:
-        """[B, 3, *cells] the engine-wide counts of each request's mode, never 0 / 0
-        however long a cell went unseen."""
-        return self.global_counts[torch.tensor(modes, dtype=torch.long)] + 1e-3 * self.prior
+    def _counts(self, seq_ids: list[int], modes: list[int], tables: list[int], depth: int, ranks: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first `depth` depths and `ranks` ranks of `tables`: each request's own
+        counts [B, T, 2, depth, ranks, buckets] as stored (zero for a request without), the
+        scale [B, 1, 1, 1, 1] they are stored divided by, the engine-wide counts of its mode
+        [B, T, ...] (never 0 / 0, however long a cell went unseen) and the prior [T, ...]."""
+        rows = self._lookup(seq_ids)
+        t = torch.tensor(tables)
+        own = self._tables[:, :, :, :depth, :ranks][rows[:, None], t]
+        prior = self.prior[t][..., :depth, :ranks, :]
+        wide = self.global_counts[:, :, :, :depth, :ranks][torch.tensor(modes, dtype=torch.long)[:, None], t]
+        return own, self._scale[rows].view(-1, 1, 1, 1, 1), wide + 1e-3 * prior, prior
 
-    def log_factors(self, seq_ids: list[int], modes: list[int]) -> torch.Tensor:
-        """[B, 2, MAX_DEPTH, R, buckets] log c of each request's cells: its own counts
-        shrunk towards the engine-wide ratio with `prior_weight` tries' mass."""
-        g = self._engine_wide(modes)
-        g = g[:, HITS] / g[:, MASS]
-        own = self._tables[self._lookup(seq_ids)]
-        w = self.prior_mass * (self.prior_weight / self.prior_observations)   # the mass of prior_weight tries
-        return ((own[:, HITS] + w * g) / (own[:, MASS] + w)).clamp(min=1e-3).log()
+    def log_factors(self, seq_ids: list[int], modes: list[int], depth: int = MAX_DEPTH,
+                    ranks: int | None = None) -> torch.Tensor:
+        """[B, 2, depth, ranks, buckets] log c of each request's cells (the first `depth`
+        depths and `ranks` ranks; all by default): its own counts shrunk towards the
+        engine-wide ratio with `prior_weight` tries' mass."""
+        own, scale, wide, prior = self._counts(seq_ids, modes, [HITS, MASS], depth, ranks or self.R)
+        g = wide[:, 0] / wide[:, 1]
+        # the mass of prior_weight tries, in the units the counts are stored in
+        w = prior[1] * (self.prior_weight / self.prior_observations) / scale
+        return ((own[:, 0] + w * g) / (own[:, 1] + w)).clamp(min=1e-3).log()
 
-    def acceptance(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4) -> torch.Tensor:
-        """[B, 2, MAX_DEPTH, R] estimated P(rank-r child at depth d accepted | parent
+    def acceptance(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4, depth: int = MAX_DEPTH,
+                   ranks: int | None = None) -> torch.Tensor:
+        """[B, 2, depth, ranks] estimated P(rank-r child at depth d accepted | parent
         accepted), whatever its probability, for parents on the drafter's main line and
-        off it: each request's own hits / tries shrunk towards the engine-wide ratio with
+        off it (the first `depth` depths and `ranks` ranks; all by default): each
+        request's own hits / tries shrunk towards the engine-wide ratio with
         `prior_weight` tries, never below `floor`."""
-        g = self._engine_wide(modes).sum(dim=-1)
-        g = g[:, HITS] / g[:, TRIES]
-        own = self._tables[self._lookup(seq_ids)].sum(dim=-1)
-        w = self.prior_weight
-        return ((own[:, HITS] + w * g) / (own[:, TRIES] + w)).clamp(floor, 1.0)
+        own, scale, wide, _ = self._counts(seq_ids, modes, [HITS, TRIES], depth, ranks or self.R)
+        own, wide = own.sum(dim=-1), wide.sum(dim=-1)
+        g = wide[:, 0] / wide[:, 1]
+        w = self.prior_weight / scale[..., 0]
+        return ((own[:, 0] + w * g) / (own[:, 1] + w)).clamp(floor, 1.0)
 
     def bucket(self, prob: torch.Tensor) -> torch.Tensor:
         """The probability bucket of each drafter probability (same shape)."""
@@ -205,21 +222,33 @@ class AcceptanceModel:
         line = (~main).long()[..., None].expand(B, D, k)
         depth = torch.arange(D)[None, :, None].expand(B, D, k)
         rank = torch.arange(k)[None, None].expand(B, D, k)
-        request = torch.arange(B)[:, None, None].expand(B, D, k)
-        cell = (request, line, depth, rank, self.bucket(p))
-        new = torch.zeros(B, *self.prior.shape, dtype=torch.float64)       # [B, 3, *cells]
-        for table, mask, value in ((HITS, hit, None), (MASS, valid, p), (TRIES, valid, None)):
-            idx = tuple(i[mask] for i in cell)
-            add = value[mask] if value is not None else torch.ones(idx[0].shape, dtype=torch.float64)
-            new[:, table].index_put_(idx, add, accumulate=True)
+        buckets = len(self.edges) + 1
+        cell = ((line * MAX_DEPTH + depth) * self.R + rank) * buckets + self.bucket(p)   # [B, D, k] in a table
+        size = self.prior[0].numel()
+        # (hits, mass, tries): where each adds and how much, one flat index per table
+        adds = [(HITS, hit, torch.ones(())), (MASS, valid, p), (TRIES, valid, torch.ones(()))]
         rows = self._rows_for(seq_ids)
-        self._tables[rows] = self._tables[rows] * self.decay + new
+        self._scale[rows] *= self.decay
+        tiny = rows[self._scale[rows] < 1e-100]          # fold a long-lived row's scale back in
+        if len(tiny):
+            self._tables[tiny] *= self._scale[tiny].view(-1, *([1] * (self._tables.dim() - 1)))
+            self._scale[tiny] = 1.0
+        inv = (1.0 / self._scale[rows])[:, None, None].expand(B, D, k)
+        row_of = rows[:, None, None].expand(B, D, k)
+        flat = self._tables.view(-1)
+        for table, mask, value in adds:
+            at = (row_of * 3 + table) * size + cell
+            flat.index_put_((at[mask],), (value.expand(B, D, k) * inv)[mask], accumulate=True)
         # Engine-wide: one decay every batch-size rounds, with a memory of at least
         # `global_memory` rounds (at batch 1 the one request's last ten rounds are too few).
         gd = max(self.decay ** (1.0 / B), 1.0 - 1.0 / self.global_memory)
-        mode = torch.tensor(modes, dtype=torch.long)
+        mode_of = torch.tensor(modes, dtype=torch.long)[:, None, None].expand(B, D, k)
         for m in set(modes):
-            self.global_counts[m] = self.global_counts[m] * gd + new[mode == m].sum(dim=0)
+            self.global_counts[m] *= gd
+        flat = self.global_counts.view(-1)
+        for table, mask, value in adds:
+            at = (mode_of * 3 + table) * size + cell
+            flat.index_put_((at[mask],), value.expand(B, D, k)[mask].to(torch.float64), accumulate=True)
 
     def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
         """`rounds` rounds without drafts over these requests: each one's own counts decay
@@ -227,8 +256,7 @@ class AcceptanceModel:
         the engine-wide counts of their modes drift back towards the prior by `rate` a
         round, so a few unlucky rounds do not rule speculation out for good."""
         rows = self._lookup(seq_ids)
-        rows = rows[rows > 0]
-        self._tables[rows] = self._tables[rows] * self.decay ** rounds
+        self._scale[rows[rows > 0]] *= self.decay ** rounds
         drift = (1.0 - rate) ** rounds
         for m in set(modes):
             self.global_counts[m] = drift * self.global_counts[m] + (1.0 - drift) * self.prior

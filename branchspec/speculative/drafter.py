@@ -252,7 +252,8 @@ class MTPDrafter:
         temps = temperature or [0.0] * len(seq_ids)
         log_q = None
         if spec.selection == "calibrated":
-            log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps])
+            log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps],
+                                                 spec.num_steps, spec.topk)
         scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
         return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q,
                           scale)

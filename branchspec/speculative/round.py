@@ -82,7 +82,10 @@ class SpeculativeRound:
         self.sync = cache.device.type == "cuda"
 
     @torch.no_grad()
-    def run(self, batch: RoundBatch, spec: SpecConfig) -> RoundResult:
+    def run(self, batch: RoundBatch, spec: SpecConfig, learn: bool = False) -> RoundResult:
+        """One round of `spec`. What it says about acceptance teaches the drafter's
+        measured acceptance when `learn` (an adaptive policy reads it) or when the
+        calibrated selection chose its trees (its next trees are valued by it)."""
         t0 = time.perf_counter()
         clock = PhaseClock(self.sync)
         ids, L = batch.seq_ids, batch.lengths
@@ -125,7 +128,7 @@ class SpeculativeRound:
         # What the round says about acceptance, for the calibrated selection's next trees and
         # an adaptive policy's next choices alike.
         children, targets = self._path_observations(tree.children, acc, path_tokens)
-        if children is not None:
+        if children is not None and (learn or spec.selection == "calibrated"):
             D, k = tree.children_logp.shape[1:]
             logp = tree.children_logp.gather(1, acc.path[..., None].expand(batch.size, D, k))
             self.drafter.learn(ids, temperature, children, logp, targets)

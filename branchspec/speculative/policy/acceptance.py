@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from branchspec.config import SpecConfig
-from branchspec.speculative.calibration import MAX_DEPTH
 
 # A parent on the drafter's main line (every node above it its parent's first proposal:
 # the chain), or off it: after the drafter was wrong once, its proposals are right less often.
@@ -35,23 +34,26 @@ class ExpectedAccept:
     """The expected accept length of every candidate, for a batch's acceptance at once.
 
     Every node any candidate could verify is enumerated once: [N, P] the columns of its
-    path's edges in the flattened [2 * MAX_DEPTH * R] acceptance (padded with one past the
+    path's edges in the flattened [2 * depth * R] acceptance (depth and R: the candidates'
+    most steps and largest topk) (padded with one past the
     end, a zero column), and which candidates may use each node. A gather and a sum, not a
     matrix product: numpy's BLAS threads would spin on the cores the model's forwards run on.
     """
 
-    def __init__(self, specs: tuple[SpecConfig, ...], max_rank: int):
-        self.specs, self.R = specs, max_rank
+    def __init__(self, specs: tuple[SpecConfig, ...]):
+        self.specs = specs
+        self.depth = max((c.num_steps for c in specs), default=1)
+        self.R = max((c.topk for c in specs), default=1)
         paths: dict[tuple, int] = {}
         members: list[list[int]] = []
         for spec in specs:
             members.append([paths.setdefault(path, len(paths)) for path in candidate_paths(spec)])
-        self.num_edges = 2 * MAX_DEPTH * self.R
+        self.num_edges = 2 * self.depth * self.R
         self.path_edges = np.full((len(paths), max((len(p) for p in paths), default=1)), self.num_edges)
         for path, i in paths.items():
             line = MAIN
             for j, (depth, rank) in enumerate(path):
-                self.path_edges[i, j] = (line * MAX_DEPTH + depth) * self.R + rank
+                self.path_edges[i, j] = (line * self.depth + depth) * self.R + rank
                 if rank:
                     line = OFF
         # Candidates that differ only in D draw from the same nodes (those within their
@@ -67,12 +69,12 @@ class ExpectedAccept:
                                   self.set_nodes.shape[1]) - 1
 
     def __call__(self, acceptance: np.ndarray) -> np.ndarray:
-        """acceptance [B, 2, MAX_DEPTH, R] (`AcceptanceModel.acceptance`) -> [B, C] expected
+        """acceptance [B, 2, depth, R] (`AcceptanceModel.acceptance`) -> [B, C] expected
         tokens one round of each candidate emits (bonus included) for each request: 1 + its
         best D-1 node values. A node's value is at most its parent's, so the best D-1
         always form a tree."""
         B = acceptance.shape[0]
-        logq = np.zeros((B, self.num_edges + 1))                              # [B, 2 * MAX_DEPTH * R + 1]
+        logq = np.zeros((B, self.num_edges + 1))                              # [B, 2 * depth * R + 1]
         logq[:, :-1] = np.log(acceptance).reshape(B, -1)
         values = np.zeros((B, len(self.path_edges) + 1))                     # [B, N + 1], last: padding
         values[:, :-1] = np.exp(logq[:, self.path_edges].sum(axis=2))

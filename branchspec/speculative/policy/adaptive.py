@@ -84,9 +84,10 @@ class AdaptivePolicy:
                             f"D up to {policy.max_draft_tokens})")
         self.max_draft_tokens = policy.max_draft_tokens
         self.uses_drafter = bool(policy.speculative)
+        self.reads_acceptance = True
         self.acceptance = acceptance if acceptance is not None else AcceptanceModel()
         self.specs = policy.speculative
-        self.expected = ExpectedAccept(self.specs, self.acceptance.R)
+        self.expected = ExpectedAccept(self.specs)
         self.counts: Counter[str] = Counter()        # rounds per configuration label
         self.decide_seconds = 0.0
         self.last_choice: SpecConfig | None = None
@@ -123,7 +124,9 @@ class AdaptivePolicy:
         """[B, C] each speculative candidate's expected tokens per round for each request
         (greedy ones where `modes` is None), before calibration."""
         modes = modes if modes is not None else [GREEDY] * len(seq_ids)
-        return self.expected(self.acceptance.acceptance(seq_ids, modes, self.tuning.acceptance_floor).numpy())
+        q = self.acceptance.acceptance(seq_ids, modes, self.tuning.acceptance_floor, self.expected.depth,
+                                       self.expected.R)
+        return self.expected(q.numpy())
 
     def defer_drafter(self, batch_size: int, context: float, mode: int = GREEDY) -> bool:
         """The drafter's prefill runs with the target's, as a fixed configuration's does,

@@ -33,6 +33,9 @@ class SpecPolicy(Protocol):
     configurations: tuple[SpecConfig | None, ...]   # every configuration it may run
     max_draft_tokens: int          # the most nodes one of its rounds commits (1: plain only)
     uses_drafter: bool             # may run speculative rounds (the drafter must follow)
+    # reads the engine's measured acceptance, so its rounds must teach it (a calibrated
+    # selection's rounds always do)
+    reads_acceptance: bool
     counts: Counter                # rounds run per configuration label
     decide_seconds: float          # time spent choosing and learning
 

@@ -21,6 +21,7 @@ class FixedPolicy:
         self.configurations = (spec,)
         self.max_draft_tokens = spec.num_draft_tokens if spec is not None else 1
         self.uses_drafter = spec is not None
+        self.reads_acceptance = False
         self.counts: Counter[str] = Counter()
         self.decide_seconds = 0.0
         self._label = spec_label(spec)
