@@ -47,7 +47,7 @@ def observe(policy, spec, seq_ids, seconds, children=None, targets=None, path_le
     policy.observe(BatchView(seq_ids, [0] * len(seq_ids), [], context), result)
 
 
-CYCLE = (None, SpecConfig.chain(4), None, None, SpecConfig(3, 2, 6), SpecConfig(2, 3, 5), None,
+CYCLE = (None, SpecConfig.chain(4), None, None, SpecConfig(3, 2, 6), SpecConfig(2, 3, 5, selection="calibrated"), None,
          SpecConfig.chain(8))
 
 
@@ -523,9 +523,15 @@ def test_bad_policies_are_refused(bad, message):
 def test_default_candidates():
     c = default_candidates(8)
     assert c[0] is None and SpecConfig.chain(2) in c and SpecConfig.chain(8) in c
-    assert SpecConfig(3, 2, 6) in c and all(s is None or s.num_draft_tokens <= 8 for s in c)
+    assert all(s is None or s.num_draft_tokens <= 8 for s in c)
+    assert SpecConfig(3, 2, 6, selection="calibrated") in c and SpecConfig(7, 2, 8, selection="calibrated") in c
+    eagle = default_candidates(8, "eagle2")
+    assert SpecConfig(3, 2, 6) in eagle and SpecConfig(7, 2, 8) not in eagle
+    assert SpecConfig.auto().candidates == c
     with pytest.raises(ValueError, match="max_draft_tokens"):
         default_candidates(1)
+    with pytest.raises(ValueError, match="selection"):
+        default_candidates(8, "best")
 
 
 def test_cli_generate_with_the_auto_policy(capsys):

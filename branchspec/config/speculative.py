@@ -86,31 +86,44 @@ class SpecConfig:
 
 
     @classmethod
-    def auto(cls, candidates=None, *, max_draft_tokens: int = 8) -> "AutoPolicy":
+    def auto(cls, candidates=None, *, max_draft_tokens: int = 8, selection: str = "calibrated") -> "AutoPolicy":
         """Adaptive speculation: before each round the engine picks, from `candidates`
         (SpecConfigs and None for plain decoding), the one with the most expected emitted
         tokens per second for the running batch, by the engine's measured acceptance (the
-        one the calibrated selection learns). None takes `default_candidates`."""
+        one the calibrated selection learns). None takes `default_candidates`, whose trees
+        keep their nodes by `selection`."""
         if candidates is None:
-            candidates = default_candidates(max_draft_tokens)
+            candidates = default_candidates(max_draft_tokens, selection)
         return AutoPolicy(candidates=tuple(candidates))
 
 
 # Tree shapes (num_steps, topk) the default candidate set holds at each budget D >= 4: the
-# study's default grid (bench/grid.py), so the policy can pick whatever a fixed run could.
+# study's default grid (bench/grid.py), so the policy can pick whatever a fixed run could,
+# and, for calibrated trees, the deep (D-1)x2 (a chain that widens where it earns it).
 AUTO_TREE_SHAPES = ((3, 2), (2, 3), (4, 2), (3, 3))
 
 
-def default_candidates(max_draft_tokens: int = 8) -> tuple["SpecConfig | None", ...]:
+def default_candidates(max_draft_tokens: int = 8, selection: str = "calibrated") -> tuple["SpecConfig | None", ...]:
     """No speculation, chains with D = 2..max_draft_tokens, and the trees of
-    `AUTO_TREE_SHAPES` at every D from 4 up (those valid at that D)."""
+    `AUTO_TREE_SHAPES` at every D from 4 up (those valid at that D), selecting their nodes
+    by `selection`; calibrated ones add (D-1)x2 from D = 6 up.
+
+    Calibrated trees by default: the policy prices a tree by the best D-1 nodes under the
+    measured acceptance, which is what the calibrated selection keeps (EAGLE-2's keeps the
+    most probable drafts instead, so its trees accept less than that price, which only a
+    per-kind correction learnt from its rounds could say)."""
     top = check_int("SpecConfig.auto", "max_draft_tokens", max_draft_tokens, minimum=2, maximum=16)
+    if selection not in SpecConfig.SELECTIONS:
+        raise ConfigError(f"SpecConfig.auto: selection={selection!r} is not one of {SpecConfig.SELECTIONS}")
     out: list[SpecConfig | None] = [None] + [SpecConfig.chain(d) for d in range(2, top + 1)]
     for d in range(4, top + 1):
-        for steps, topk in AUTO_TREE_SHAPES:
+        shapes = list(AUTO_TREE_SHAPES)
+        if selection == "calibrated" and d >= 6:
+            shapes.append((d - 1, 2))
+        for steps, topk in shapes:
             try:
-                out.append(SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=d))
-            except ValueError:
+                out.append(SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=d, selection=selection))
+            except ValueError:      # not a valid shape at this D
                 pass
     return tuple(out)
 
