@@ -44,19 +44,19 @@ def bucket_of(prob: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
 def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent_main: torch.Tensor,
                     logp: torch.Tensor) -> torch.Tensor:
     """log q of the children of one step's parents: log_c [B, 2, depths, R, buckets]
-    (`AcceptanceModel.log_factors`, at least `depth` deep); edges the buckets' upper edges; depth the children's
-    depth (1 = the root's children); parent_main [B, P] bool; logp [B, P, k] the drafter's
-    log-probabilities of each parent's top-k children, best first -> [B, P, k], never above
-    0. A pure function of tensors (the compiled growth runs it in its graph)."""
+    (`AcceptanceModel.log_factors`, at least `depth` deep); edges the buckets' upper edges;
+    depth the children's depth (1 = the root's children); parent_main [B, P] bool; logp
+    [B, P, k] the drafter's log-probabilities of each parent's top-k children, best first
+    -> [B, P, k], never above 0. A pure function of tensors (the compiled growth runs it in
+    its graph), one gather from the flattened table."""
     B, P, k = logp.shape
-    R = log_c.shape[3]
-    d = min(depth, log_c.shape[2]) - 1
-    rank = torch.arange(k, device=logp.device).clamp(max=R - 1).expand(B, P, k)
-    line = (~parent_main).long()[..., None].expand(B, P, k)
-    bucket = bucket_of(logp.exp(), edges)
-    table = log_c[:, :, d].to(logp.device)                                # [B, 2, R, buckets]
-    b = torch.arange(B, device=logp.device)[:, None, None].expand(B, P, k)
-    return (logp + table[b, line, rank, bucket].to(logp.dtype)).clamp(max=0.0)
+    depths, R, buckets = log_c.shape[2:]
+    d = min(depth, depths) - 1
+    rank = torch.arange(k, device=logp.device).clamp(max=R - 1)                   # [k]
+    line = (~parent_main).long()[..., None]                                      # [B, P, 1]
+    cell = ((line * depths + d) * R + rank) * buckets + bucket_of(logp.exp(), edges)   # [B, P, k]
+    table = log_c.reshape(B, -1).to(logp.device)
+    return (logp + table.gather(1, cell.reshape(B, P * k)).view(B, P, k).to(logp.dtype)).clamp(max=0.0)
 
 
 # Before any round, a child of rank r is accepted (given its parent was) this often,
@@ -225,30 +225,30 @@ class AcceptanceModel:
         buckets = len(self.edges) + 1
         cell = ((line * MAX_DEPTH + depth) * self.R + rank) * buckets + self.bucket(p)   # [B, D, k] in a table
         size = self.prior[0].numel()
-        # (hits, mass, tries): where each adds and how much, one flat index per table
-        adds = [(HITS, hit, torch.ones(())), (MASS, valid, p), (TRIES, valid, torch.ones(()))]
         rows = self._rows_for(seq_ids)
         self._scale[rows] *= self.decay
         tiny = rows[self._scale[rows] < 1e-100]          # fold a long-lived row's scale back in
         if len(tiny):
             self._tables[tiny] *= self._scale[tiny].view(-1, *([1] * (self._tables.dim() - 1)))
             self._scale[tiny] = 1.0
-        inv = (1.0 / self._scale[rows])[:, None, None].expand(B, D, k)
-        row_of = rows[:, None, None].expand(B, D, k)
-        flat = self._tables.view(-1)
-        for table, mask, value in adds:
-            at = (row_of * 3 + table) * size + cell
-            flat.index_put_((at[mask],), (value.expand(B, D, k) * inv)[mask], accumulate=True)
+        ones = torch.ones((), dtype=torch.float64).expand(B, D, k)
+        # Every addition of the round at once, (hits, mass, tries) in turn: where in a
+        # [3, *cells] block it goes, what it adds (tries and hits 1, mass p), and to which
+        # request's rows (the stored units: divided by the row's scale) and mode.
+        where = torch.cat([(HITS * size + cell)[hit], (MASS * size + cell)[valid], (TRIES * size + cell)[valid]])
+        amount = torch.cat([ones[hit], p[valid], ones[valid]])
+        request = torch.arange(B)[:, None, None].expand(B, D, k)
+        request = torch.cat([request[hit], request[valid], request[valid]])
+        block = 3 * size
+        self._tables.view(-1).index_put_((rows[request] * block + where,), amount / self._scale[rows][request],
+                                         accumulate=True)
         # Engine-wide: one decay every batch-size rounds, with a memory of at least
         # `global_memory` rounds (at batch 1 the one request's last ten rounds are too few).
         gd = max(self.decay ** (1.0 / B), 1.0 - 1.0 / self.global_memory)
-        mode_of = torch.tensor(modes, dtype=torch.long)[:, None, None].expand(B, D, k)
         for m in set(modes):
             self.global_counts[m] *= gd
-        flat = self.global_counts.view(-1)
-        for table, mask, value in adds:
-            at = (mode_of * 3 + table) * size + cell
-            flat.index_put_((at[mask],), value.expand(B, D, k)[mask].to(torch.float64), accumulate=True)
+        mode = torch.tensor(modes, dtype=torch.long)
+        self.global_counts.view(-1).index_put_((mode[request] * block + where,), amount, accumulate=True)
 
     def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
         """`rounds` rounds without drafts over these requests: each one's own counts decay
