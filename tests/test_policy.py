@@ -500,9 +500,12 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     candidates = (None, SpecConfig.chain(3), SpecConfig(2, 2, 4))
     first = load_or_calibrate(executor, 4, candidates)
     assert first.batches == calibration_batches(4) == (1, 4)
-    # Timed at the node counts these candidates run: plain decoding and D = 3, 4 verifies;
-    # the 2x2 tree's frontier (2) and draft extends of D + 1 = 4, 5 nodes.
-    assert first.grids["target"][0] == (1, 3, 4) and first.grids["drafter"][0] == (1, 2, 4, 5)
+    # Timed as these candidates' rounds run: plain decoding and D = 3, 4 verifies; each
+    # candidate's drafting; draft extends of D + 1 = 4, 5 nodes.
+    assert first.grids["target"][0] == (1, 3, 4) and first.grids["extend"][0] == (4, 5)
+    assert first.grids["draft"][0] == ("s2k1d3", "s2k2d4")
+    # a tree's drafting (a frontier step of two nodes after the root) against a chain's (one)
+    assert (first.grids["draft"][1][:, 1] > 0.5 * first.grids["draft"][1][:, 0]).all()
     assert all((seconds > 0).all() for _, seconds in first.grids.values())
     monkeypatch.setattr(costs_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
     again = load_or_calibrate(executor, 4, candidates)

@@ -80,7 +80,8 @@ class Engine:
             from branchspec.speculative.policy.costs import load_or_calibrate
 
             def costs(auto: AutoPolicy, show: bool = progress):
-                return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show)
+                return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show,
+                                         vocab=self.drafter.vocab if self.drafter is not None else None)
 
             policy = make_policy(spec, costs, self.drafter.calibration if self.drafter is not None else None)
             policy.check(self.cfg, self.drafter is not None, self.round_limits())

@@ -137,6 +137,7 @@ class MTPDrafter:
         w = model.head.weight
         # The drafted tokens [N] and their LM-head rows [N, d] (a copy: the drafter reads
         # N rows, not the whole head); None: every token.
+        self.vocab = vocab
         self.vocab_ids = vocab.token_ids.to(w.device) if vocab is not None else None
         self.head_rows = w.detach()[self.vocab_ids].contiguous() if vocab is not None else None
         self.vocab_size = vocab.size if vocab is not None else model.cfg.vocab_size

@@ -1,9 +1,9 @@
 """Round costs: how long each candidate configuration's round takes at a batch size.
 
-The forwards a round runs are timed once per machine, through the engine's own execution
-path (eager or compiled), at the node counts the policy's candidates use, and cached on
-disk; a candidate's round time is composed from them, plus an overhead learned online
-from its measured rounds.
+The calls a round makes are timed once per machine, through the engine's own execution
+path (eager or compiled: the very graphs the rounds replay), for the policy's candidates,
+and cached on disk; a candidate's round time is composed from them, plus an overhead
+learned online from its measured rounds.
 """
 
 from __future__ import annotations
@@ -24,26 +24,31 @@ from branchspec.config import SpecConfig, spec_label
 from branchspec.disk_cache import cache_dir
 from branchspec.speculative.policy.tuning import TUNING, Tuning
 
-# The forwards a round runs, each timed on its own grid of new tokens per request:
-# "target" the plain decode step (1 token) and the verify pass (D nodes); "drafter" a
-# tree's frontier step (topk nodes) and the draft extend (D + 1 nodes); "catch_up" the
-# drafter over positions it did not follow (a deferred prompt, plain rounds), in chunks.
-# A round now runs its frontier steps inside one growth call and its extend as one call
-# (`growth.grow_trees`, `drafter.extend_forward`; one graph each when compiled), so the
-# drafting cost composed from separate drafter forwards is an upper estimate: the
-# overhead learned from measured rounds (which may be negative) corrects it per candidate.
-FORWARDS = ("target", "drafter", "catch_up")
+# The calls a round makes, each timed on its own grid: "target" the plain decode step (1
+# token) and the verify pass (D nodes), by new tokens per request; "draft" a candidate's
+# whole drafting (the drafter's `propose`: its growth, one graph when compiled, and for a
+# calibrated selection the factors it reads), by growth (`growth_key`); "extend" the draft
+# extend over the path and the next root (D + 1 nodes); "catch_up" the drafter over
+# positions it did not follow (a deferred prompt, plain rounds), in chunks of tokens.
+FORWARDS = ("target", "draft", "extend", "catch_up")
+# The grids keyed by growth rather than by a token count (looked up, not interpolated).
+BY_GROWTH = ("draft",)
 CATCH_UP_TOKENS = (1, 16, 64)
 # Committed tokens the grids are measured over: a short context and a long one.
 CONTEXTS = (128, 512)
 
 
-def grid_tokens(candidates: tuple[SpecConfig | None, ...]) -> dict[str, tuple[int, ...]]:
-    """The node counts each forward runs at under these candidates: what gets timed."""
+def growth_key(spec: SpecConfig) -> str:
+    """What a candidate's drafting cost depends on: its growth (steps, topk, D, selection)."""
+    return f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}" + ("-cal" if spec.selection == "calibrated" else "")
+
+
+def grid_tokens(candidates: tuple[SpecConfig | None, ...]) -> dict[str, tuple]:
+    """What each call is timed at under these candidates: node counts, or growth keys."""
     specs = [c for c in candidates if c is not None]
     return {"target": tuple(sorted({1} | {c.num_draft_tokens for c in specs})),
-            "drafter": tuple(sorted({1} | {c.topk for c in specs if c.num_steps > 1}
-                                    | {c.num_draft_tokens + 1 for c in specs})),
+            "draft": tuple(sorted({growth_key(c) for c in specs})),
+            "extend": tuple(sorted({c.num_draft_tokens + 1 for c in specs})),
             "catch_up": CATCH_UP_TOKENS}
 
 
@@ -52,14 +57,16 @@ def _label(spec: SpecConfig | None) -> str:
 
 
 class CostModel:
-    """Forward times on a (batch, tokens per request, context) grid per forward, and the
-    round time of each candidate composed from them.
+    """Call times on a (batch, tokens per request or growth, context) grid per call, and
+    the round time of each candidate composed from them.
 
-    grids[f] = (tokens, seconds): seconds[i, j, k] of one forward f at batch batches[i]
-    with tokens[j] new tokens per request over contexts[k] committed ones. Off-grid points
-    interpolate linearly in log(batch), in tokens and in context (beyond the longest
-    context: linearly, on the slope between the last two; beyond the most tokens: in
-    proportion). The context matters: attention reads the window and every compressed
+    grids[f] = (keys, seconds): seconds[i, j, k] of one call f at batch batches[i] with
+    keys[j] new tokens per request (a growth key for "draft") over contexts[k] committed
+    ones. Off-grid points interpolate linearly in log(batch), in tokens and in context
+    (beyond the longest context: linearly, on the slope between the last two; beyond the
+    most tokens: in proportion). A growth that was not timed (a model made by `flat`, a
+    configuration outside the candidates) is priced as num_steps - 1 extend-sized
+    forwards of topk nodes. The context matters: attention reads the window and every compressed
     entry, so a step over 500 committed tokens costs about a third more than one over 128
     at batch 64 on the default model.
 
@@ -78,10 +85,11 @@ class CostModel:
             raise ValueError(f"cost grids must be given for {FORWARDS}, got {sorted(grids)}")
         self.grids: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
         for name, (tokens, seconds) in grids.items():
-            tokens, seconds = tuple(int(t) for t in tokens), np.asarray(seconds, float)
+            tokens = tuple(str(t) for t in tokens) if name in BY_GROWTH else tuple(int(t) for t in tokens)
+            seconds = np.asarray(seconds, float)
             shape = (len(self.batches), len(tokens), len(self.contexts))
             if seconds.shape != shape or list(tokens) != sorted(set(tokens)):
-                raise ValueError(f"the {name} grid must have increasing tokens and shape {shape}, got "
+                raise ValueError(f"the {name} grid must have increasing, distinct keys and shape {shape}, got "
                                  f"{tokens} and {seconds.shape}")
             self.grids[name] = (tokens, seconds)
         self.overheads: dict[tuple[str, int], deque[float]] = {}
@@ -95,9 +103,12 @@ class CostModel:
     def flat(cls, target: float, drafter: float, batches: tuple[int, ...] = (1, 64),
              candidates: tuple[SpecConfig | None, ...] = (), tuning: Tuning = TUNING) -> "CostModel":
         """Every forward of the target costs `target` seconds and every drafter forward
-        `drafter`, whatever the batch, tokens and context (for reasoning about decisions)."""
+        `drafter` (a growth of s steps s - 1 of them), whatever the batch, tokens and context
+        (for reasoning about decisions)."""
         grids = {}
         for name, tokens in grid_tokens(candidates).items():
+            if name in BY_GROWTH:
+                tokens = ()            # priced from the extend grid, as an untimed growth is
             grids[name] = (tokens, np.full((len(batches), len(tokens), 1), target if name == "target" else drafter))
         return cls(batches, grids, contexts=(CONTEXTS[0],), tuning=tuning)
 
@@ -134,6 +145,8 @@ class CostModel:
 
     def _at(self, forward: str, batch: int, tokens: int, context: int) -> float:
         grid_tokens_ = self.grids[forward][0]
+        if not grid_tokens_:
+            raise ValueError(f"the {forward} grid holds no token counts")
         t = float(np.interp(min(tokens, grid_tokens_[-1]), grid_tokens_, self._row(forward, batch, context)))
         if tokens > grid_tokens_[-1]:
             t *= tokens / grid_tokens_[-1]
@@ -151,11 +164,17 @@ class CostModel:
         if spec is None:
             return self._at("target", batch, 1, context)
         # The root's drafter slot comes with the previous round's draft extend, which runs
-        # D + 1 nodes (the path and the next root): one drafter forward per later step.
-        draft = (spec.num_steps - 1) * self._at("drafter", batch, spec.topk, context)
+        # D + 1 nodes (the path and the next root).
         verify = self._at("target", batch, spec.num_draft_tokens, context)
-        extend = self._at("drafter", batch, spec.num_draft_tokens + 1, context)
-        return draft + verify + extend
+        extend = self._at("extend", batch, spec.num_draft_tokens + 1, context)
+        return self._draft(spec, batch, context) + verify + extend
+
+    def _draft(self, spec: SpecConfig, batch: int, context: int) -> float:
+        keys = self.grids["draft"][0]
+        key = growth_key(spec)
+        if key not in keys:           # not timed: its frontier steps as extend-sized forwards
+            return (spec.num_steps - 1) * self._at("extend", batch, spec.topk, context)
+        return float(self._row("draft", batch, context)[keys.index(key)])
 
     def catch_up_seconds(self, batch: int, lag: int, context: float | None = None) -> float:
         """One drafter pass over `lag` positions per request: the price of speculating
@@ -267,21 +286,24 @@ def _median_seconds(run, repeats: int) -> float:
 
 
 @torch.no_grad()
-def calibrate(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]], repeats: int = 3,
-              progress: bool = False) -> CostModel:
-    """Time each forward a round runs, through `executor` (the engine's own execution
-    path) over a private paged state (the engine's pages are untouched), at each batch of
-    `calibration_batches`, each context of `calibration_contexts` and each node count of
-    `tokens` (`grid_tokens`). At each batch size the context grows by prefill from one
-    measured length to the next."""
+def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...], repeats: int = 3,
+              progress: bool = False, vocab=None) -> CostModel:
+    """Time each call a round of these candidates makes (`grid_tokens`), through `executor`
+    (the engine's own execution path) over a private paged state and a private drafter
+    drafting over `vocab` (the engine's pages and statistics are untouched), at each batch
+    of `calibration_batches` and each context of `calibration_contexts`. At each batch
+    size the context grows by prefill from one measured length to the next."""
     from branchspec.cache.paged import PagedState
     from branchspec.model.metadata import chain_meta
+    from branchspec.speculative.drafter import DrafterState, MTPDrafter
 
     model = executor.model
     cfg = model.cfg
     p = model.embed.weight
+    tokens = grid_tokens(candidates)
+    growths = {growth_key(c): c for c in candidates if c is not None}
     batches = calibration_batches(max_batch_size)
-    most = max(max(t) for t in tokens.values())
+    most = max(max(t) for name, t in tokens.items() if name not in BY_GROWTH and t)
     contexts = calibration_contexts(cfg.max_position, most)
     grids = {name: np.zeros((len(batches), len(t), len(contexts))) for name, t in tokens.items()}
     bar = None
@@ -294,6 +316,7 @@ def calibrate(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]],
         cache = PagedState(cfg, max_seqs=B, max_len=contexts[-1] + most + 1, page_size=16, dtype=p.dtype,
                            device=p.device)
         ex = executor.over(cache)
+        drafter = MTPDrafter(model, cache, ex, vocab=vocab) if growths else None
         ids = list(range(B))
         for sid in ids:
             cache.add(sid)
@@ -306,12 +329,14 @@ def calibrate(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]],
             out = ex.prefill(prompt, meta, ids, L)
             cache.commit(ids, meta, out.scratch, meta.valid)
             L = L + grow
-            hidden = out.hidden[:, -1:]
-            for name, counts in tokens.items():
-                for j, n in enumerate(counts):
-                    new = torch.randint(3, cfg.vocab_size, (B, n), generator=gen).to(p.device)
-                    prev = hidden.expand(B, n, hidden.shape[-1])
-                    grids[name][i, j, k] = _median_seconds(_forward(ex, name, new, prev, ids, L), repeats)
+            if drafter is not None:
+                for b, sid in enumerate(ids):
+                    drafter.states[sid] = DrafterState(last_hidden=out.hidden[b, -1])
+            call = _Calls(ex, drafter, out.hidden[:, -1:], ids, L, gen)
+            for name, keys in tokens.items():
+                for j, key in enumerate(keys):
+                    run = call.draft(growths[key]) if name == "draft" else call.of(name, int(key))
+                    grids[name][i, j, k] = _median_seconds(run, repeats)
                     if bar is not None:
                         bar.update(1)
     if bar is not None:
@@ -319,25 +344,59 @@ def calibrate(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]],
     return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
 
 
-def _forward(ex, name: str, new: torch.Tensor, prev: torch.Tensor, ids: list[int], L: torch.Tensor):
-    """A call of forward `name` as a round runs it, over new tokens [B, n]: the plain decode
-    step, or a verify pass over a chain-shaped tree (its plan included); a drafter step; a
-    catch-up chunk."""
-    from branchspec.model.metadata import chain_meta
+class _Calls:
+    """The calls a round makes, as it makes them, over B requests with L [B] committed
+    tokens whose last target hidden state is hidden [B, 1, d]: each returns a function
+    that makes one call."""
 
-    B, n = new.shape
-    if name == "target":
-        if n == 1:
-            return lambda: ex.decode(new, ids, L)
-        parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
-        return lambda: ex.verify(new, parents, ids, L)
-    step = ex.drafter if name == "drafter" else ex.drafter_prefill
-    return lambda: step(new, prev, chain_meta(L, n, ()), ex.cache.gather_mtp(ids, L))
+    def __init__(self, ex, drafter, hidden: torch.Tensor, ids: list[int], L: torch.Tensor, gen: torch.Generator):
+        self.ex, self.drafter, self.hidden, self.ids, self.L, self.gen = ex, drafter, hidden, ids, L, gen
+        self.vocab = ex.model.cfg.vocab_size
+
+    def _tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab, (len(self.ids), n), generator=self.gen).to(self.L.device)
+
+    def of(self, name: str, n: int):
+        """The plain decode step (n = 1) or a verify pass over a chain-shaped tree of n
+        nodes; a draft extend of n nodes (a path of n - 1 and the next root); a catch-up
+        chunk of n positions."""
+        from branchspec.model.metadata import chain_meta
+
+        ex, ids, L = self.ex, self.ids, self.L
+        new = self._tokens(n)
+        B = len(ids)
+        if name == "target":
+            if n == 1:
+                return lambda: ex.decode(new, ids, L)
+            parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
+            return lambda: ex.verify(new, parents, ids, L)
+        if name == "extend":
+            return self._extend(n - 1)
+        prev = self.hidden.expand(B, n, self.hidden.shape[-1])
+        return lambda: ex.drafter_prefill(new, prev, chain_meta(L, n, ()), ex.cache.gather_mtp(ids, L))
+
+    def _extend(self, D: int):
+        """A draft extend after a round that accepted D nodes ending at L - 1: its next
+        root lands at L, where a round's drafting starts."""
+        B = len(self.ids)
+        start = (self.L - D).clamp(min=0)
+        path = self._tokens(D)
+        path_hidden = self.hidden.expand(B, D, self.hidden.shape[-1])
+        path_len = torch.full((B,), D, dtype=torch.long, device=self.L.device)
+        bonus = self._tokens(1)[:, 0]
+        return lambda: self.drafter.extend(self.ids, start, path, path_hidden, path_len, bonus, D)
+
+    def draft(self, spec: SpecConfig):
+        """A round's drafting (`propose`) of `spec`, from a root the last extend computed."""
+        self._extend(1)()
+        roots = self._tokens(1)[:, 0]
+        greedy = [0.0] * len(self.ids)
+        return lambda: self.drafter.propose(self.ids, self.L, roots, spec, greedy)
 
 
-def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple[int, ...]]) -> str:
+def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
     """What a calibration depends on: the model's shape and dtype, the execution path, the
-    grids, the machine and its thread count, and the torch build."""
+    grids, the drafted vocabulary, the machine and its thread count, and the torch build."""
     model = executor.model
     cpu = platform.processor() or platform.machine()
     try:
@@ -350,21 +409,24 @@ def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple[int, 
     blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
                        "device": str(model.embed.weight.device), "execution": executor.name,
                        "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
-                       "threads": torch.get_num_threads(), "cpu": cpu, "torch": torch.__version__}, sort_keys=True)
+                       "draft_vocab": vocab_size, "threads": torch.get_num_threads(), "cpu": cpu,
+                       "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def load_or_calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...],
-                      progress: bool = False) -> CostModel:
-    """The cached calibration for this model, execution path and machine, else a fresh one
-    (then cached; an unwritable cache folder only costs the next start another one)."""
+                      progress: bool = False, vocab=None) -> CostModel:
+    """The cached calibration for this model, execution path, drafted vocabulary (`vocab`,
+    a `DraftVocab`, None for the whole) and machine, else a fresh one (then cached; an
+    unwritable cache folder only costs the next start another one)."""
     tokens = grid_tokens(candidates)
-    path = cache_dir() / f"round-costs-{calibration_key(executor, max_batch_size, tokens)}.json"
+    key = calibration_key(executor, max_batch_size, tokens, vocab.size if vocab is not None else None)
+    path = cache_dir() / f"round-costs-{key}.json"
     try:
         return CostModel.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    costs = calibrate(executor, max_batch_size, tokens, progress=progress)
+    costs = calibrate(executor, max_batch_size, candidates, progress=progress, vocab=vocab)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
