@@ -459,6 +459,9 @@ def test_a_policy_that_never_speculates_never_runs_the_drafter(trained_ckpt, pro
     policy = SpecConfig.auto()
     runner = force_cycle(llm, policy, order=(None,))
     runner.acceptance.global_counts[:, HITS] = 0.0          # drafts are never accepted
+    # Fixed costs, not this machine's: whether the prompts' drafter prefill is deferred must
+    # not depend on how busy the cores were while the costs were measured.
+    runner._costs = flat_costs(10.0, 5.0)
     calls = []
     mtp = llm.engine.model.mtp_forward
     llm.engine.model.mtp_forward = lambda *a, **k: calls.append(1) or mtp(*a, **k)
