@@ -27,7 +27,7 @@ from, so growth needs one forward fewer, as SGLang fuses them). Its per-request 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -63,40 +63,66 @@ class DraftRoot:
 
 
 class DrafterLag:
-    """Committed positions the drafter has not followed: chunks of (tokens [n], the target's
-    hidden state before each [n, d]); len() is the number of positions, kept as a count so
-    that reading it each round costs nothing however many chunks plain rounds added."""
+    """Committed positions the drafter has not followed, kept as the target step that
+    committed them left them: chunks of (tokens [B, N], hidden states [B, N, d], row, count),
+    sliced only when a catch-up feeds them (a plain decode step adds one reference per
+    request, no tensor work), and the hidden state before the first of them. len() is the
+    number of positions, kept as a count so that reading it each round costs nothing
+    however many chunks plain rounds added."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        self.before: torch.Tensor | None = None   # [d] the target's hidden state before the lag
         self.length = 0
 
-    def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.chunks.append((tokens, hidden))
-        self.length += len(tokens)
+    def append(self, tokens: torch.Tensor, hidden: torch.Tensor, row: int, count: int) -> None:
+        self.chunks.append((tokens, hidden, row, count))
+        self.length += count
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lag's tokens [n] and, for each, the target's hidden state one position
+        earlier [n, d] (what the drafter's position there starts from)."""
+        tokens = torch.cat([t[row, :n] for t, _, row, n in self.chunks])
+        hidden = torch.cat([h[row, :n] for _, h, row, n in self.chunks])
+        before = self.before if self.before is not None else torch.zeros_like(hidden[0])
+        return tokens, torch.cat([before[None], hidden[:-1]])
 
     def clear(self) -> None:
         self.chunks.clear()
+        self.before = None
         self.length = 0
 
     def __len__(self) -> int:
         return self.length
 
-    def __iter__(self):
-        return iter(self.chunks)
 
-
-@dataclass
 class DrafterState:
     """What the drafter keeps for one request between rounds."""
 
-    # [n*d] the target's hidden state at the last committed position (L - 1): the residual
-    # the drafter's next position (the root, at L) starts from
-    last_hidden: torch.Tensor | None = None
-    lag: DrafterLag = field(default_factory=DrafterLag)
-    # The output at the next root, with the committed length it belongs to; a round that
-    # finds it current skips the root's own forward.
-    root: tuple[int, DraftRoot] | None = None
+    def __init__(self, last_hidden: torch.Tensor | None = None):
+        # [n*d] the target's hidden state at the last committed position (L - 1): the
+        # residual the drafter's next position (the root, at L) starts from; or where the
+        # step that committed it left it, (hidden [B, N, d], row, column), sliced on first read
+        self._last: torch.Tensor | tuple[torch.Tensor, int, int] | None = last_hidden
+        self.lag = DrafterLag()
+        # The output at the next root, with the committed length it belongs to; a round that
+        # finds it current skips the root's own forward.
+        self.root: tuple[int, DraftRoot] | None = None
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:
+        if isinstance(self._last, tuple):
+            hidden, row, column = self._last
+            self._last = hidden[row, column]
+        return self._last
+
+    @last_hidden.setter
+    def last_hidden(self, value: torch.Tensor | None) -> None:
+        self._last = value
+
+    def last_at(self, hidden: torch.Tensor, row: int, column: int) -> None:
+        """The last committed position's hidden state is hidden[row, column] (not sliced yet)."""
+        self._last = (hidden, row, column)
 
 
 class Drafter(Protocol):
@@ -177,18 +203,22 @@ class MTPDrafter:
         `now` (one batched forward, the drafter's pages reserved like the target's), or
         keep them as lag for the next speculative round."""
         states = [self.state(s) for s in seq_ids]
+        if not now:      # references only: a plain decode step stays as cheap as it can be
+            for j, (st, n) in enumerate(zip(states, counts)):
+                if not st.lag:
+                    st.lag.before = st.last_hidden
+                st.lag.append(tokens, hidden, j, n)
+                st.last_at(hidden, j, n - 1)
+            return
         first = torch.stack([st.last_hidden if st.last_hidden is not None else torch.zeros_like(hidden[0, 0])
                              for st in states])
         prev = torch.cat([first[:, None], hidden[:, :-1]], dim=1)            # [B, N, d]: node i's is node i-1's
-        if now:
-            N = tokens.shape[1]
-            meta = chain_meta(lengths, torch.tensor(counts, device=tokens.device), (), max_new=N)
-            out = self.executor.drafter_prefill(tokens, prev, meta, self.cache.gather_mtp(seq_ids, lengths))
-            self.cache.commit_mtp(seq_ids, meta, out.scratch[0], meta.valid)
+        N = tokens.shape[1]
+        meta = chain_meta(lengths, torch.tensor(counts, device=tokens.device), (), max_new=N)
+        out = self.executor.drafter_prefill(tokens, prev, meta, self.cache.gather_mtp(seq_ids, lengths))
+        self.cache.commit_mtp(seq_ids, meta, out.scratch[0], meta.valid)
         for j, (st, n) in enumerate(zip(states, counts)):
-            if not now:
-                st.lag.append(tokens[j, :n], prev[j, :n])
-            st.last_hidden = hidden[j, n - 1]
+            st.last_at(hidden, j, n - 1)
 
     @torch.no_grad()
     def catch_up(self, seq_ids: list[int], lengths: torch.Tensor) -> None:
@@ -200,7 +230,7 @@ class MTPDrafter:
                    if sid in self.states and self.states[sid].lag]
         if not lagging:
             return
-        lag = [(torch.cat([t for t, _ in st.lag]), torch.cat([h for _, h in st.lag])) for _, st, _ in lagging]
+        lag = [st.lag.tensors() for _, st, _ in lagging]
         start = [L - len(tokens) for (_, _, L), (tokens, _) in zip(lagging, lag)]
         done = [0] * len(lagging)
         device = lag[0][0].device

@@ -387,8 +387,9 @@ class _Calls:
         return lambda: self.drafter.extend(self.ids, start, path, path_hidden, path_len, bonus, D)
 
     def draft(self, spec: SpecConfig):
-        """A round's drafting (`propose`) of `spec`, from a root the last extend computed."""
-        self._extend(1)()
+        """A round's drafting (`propose`) of `spec`, from a root the last extend computed
+        (an extend of the width the candidate's rounds run, so no other graph is needed)."""
+        self._extend(spec.num_draft_tokens)()
         roots = self._tokens(1)[:, 0]
         greedy = [0.0] * len(self.ids)
         return lambda: self.drafter.propose(self.ids, self.L, roots, spec, greedy)
