@@ -11,9 +11,10 @@ import torch
 from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates, spec_label
 from branchspec.llm import LLM
 from branchspec.speculative.policy import BatchView
-from branchspec.speculative.calibration import GREEDY, HITS, MAX_DEPTH, SAMPLED, TRIES, AcceptanceModel
+from branchspec.speculative.calibration import (GREEDY, HITS, NEW_REQUEST, SAMPLED, TRIES,
+                                                AcceptanceModel)
 from branchspec.speculative.policy.acceptance import OFF, ExpectedAccept, candidate_paths
-from branchspec.speculative.policy.adaptive import NEW_REQUEST, AdaptivePolicy
+from branchspec.speculative.policy.adaptive import AdaptivePolicy
 from branchspec.speculative.policy.costs import CostModel, calibration_batches, grid_tokens, load_or_calibrate
 from branchspec.speculative.policy.tuning import TUNING
 from branchspec.speculative.round import RoundResult
@@ -470,26 +471,34 @@ def test_a_policy_that_never_speculates_never_runs_the_drafter(trained_ckpt, pro
     assert llm.last_stats.spec_choices == {"none": llm.last_stats.num_steps}
 
 
-def test_the_drafter_is_prefilled_with_the_target_when_speculation_is_expected(trained_ckpt, prompts):
-    """With the optimistic starting statistics the policy expects to speculate, so the
-    prompts go through the drafter at prefill (as with a fixed configuration) and the first
-    round has nothing to catch up; with statistics that say drafts fail, they wait."""
+def test_the_drafter_waits_for_a_speculative_round_where_plain_decoding_may_run(trained_ckpt, prompts):
+    """Where plain decoding is a candidate the prompts' drafter prefill waits, priced as
+    a catch-up by the round that would need it; where every round speculates it runs with
+    the target's prefill, as with a fixed configuration."""
     from branchspec.checkpoint import load_checkpoint
     from branchspec.engine.engine import Engine
 
     engine = Engine(load_checkpoint(trained_ckpt, "float64"), EngineConfig(max_batch_size=2))
-    policy = SpecConfig.auto()
-    runner = engine.policy(policy)
-    assert runner.expects_speculation(2)
+    waits = engine.policy(SpecConfig.auto())
     seq = engine.add_request(prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine._admit(runner)
-    assert not engine.drafter.lag(seq.seq_id)
+    engine._admit(waits)
+    assert engine.drafter.lag(seq.seq_id) == len(prompts[1])
+    engine.abort(seq)
+    always = engine.policy(SpecConfig.auto([SpecConfig.chain(3), SpecConfig(2, 2, 4, selection="calibrated")]))
+    seq = engine.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine._admit(always)
+    assert engine.drafter.lag(seq.seq_id) == 0
 
-    runner.acceptance.global_counts[:, HITS] = 0.0
-    assert not runner.expects_speculation(2)
-    late = engine.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine._admit(runner)
-    assert engine.drafter.lag(late.seq_id) == len(prompts[3])
+
+def test_a_prompts_catch_up_is_worth_it_for_a_long_generation_not_a_burst_of_short_ones():
+    """The same catch-up of a deferred prompt, spread over the rounds the batch has left."""
+    chain4 = SpecConfig.chain(4)
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+    runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 2.5)
+    runner.costs.catch_up_seconds = lambda batch, lag, context=None: 0.2e-3 * lag * batch
+    assert choose(runner, [1], lag=[200], remaining=[256]) == chain4
+    batch = list(range(32))
+    assert choose(runner, batch, lag=[200] * 32, remaining=[16] * 32) is None
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):

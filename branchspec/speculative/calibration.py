@@ -34,6 +34,7 @@ from branchspec.config import AutoPolicy
 PROB_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 MAX_DEPTH = AutoPolicy.MAX_DEPTH     # deeper edges share the last depth's estimates
 GREEDY, SAMPLED = 0, 1
+NEW_REQUEST = -1         # a request id no request has: it reads the engine-wide counts
 
 
 def bucket_of(prob: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:

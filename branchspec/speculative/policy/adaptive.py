@@ -30,10 +30,11 @@ and runs the argmax. Both factors are measured, not assumed:
   Speculation must look `plain_margin` better than plain decoding, a new best must beat
   the standing choice by `switch_margin`, and a switch between plain decoding and
   speculation is judged again after `probe_rounds` rounds (`tuning.Tuning`).
-* **Catch-up**: plain rounds do not feed the drafter, and the prompts' drafter prefill
-  waits when the engine-wide statistics expect plain decoding to win
-  (`expects_speculation`), so speculating after them first costs one drafter pass over
-  what it missed. That is paid once, so it is spread over the rounds the batch has left.
+* **Catch-up**: plain rounds do not feed the drafter, and neither does a prompt's prefill
+  while plain decoding is a candidate, so speculating first costs one drafter pass over
+  what it missed. That is paid once, so it is spread over the rounds the batch has left:
+  a burst of long prompts with few tokens to generate is not worth it, one chat of a
+  hundred tokens is.
 
 Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
 the target model's. The decision is a few small numpy operations every few rounds.
@@ -58,8 +59,6 @@ from branchspec.speculative.policy.tuning import TUNING, Tuning
 from branchspec.speculative.round import RoundResult
 
 KINDS = ("chain", "tree")
-# A request id no request has: its acceptance is the engine-wide one.
-NEW_REQUEST = -1
 
 
 def _kind(spec: SpecConfig) -> str:
@@ -129,10 +128,11 @@ class AdaptivePolicy:
         return self.expected(q.numpy())
 
     def defer_drafter(self, batch_size: int, context: float, mode: int = GREEDY) -> bool:
-        """The drafter's prefill runs with the target's, as a fixed configuration's does,
-        unless plain decoding may run and is expected to win at this batch size: then each
-        prompt joins its request's drafter lag, fed only if a speculative round comes."""
-        return None in self.policy.candidates and not self.expects_speculation(batch_size, context, mode)
+        """Where plain decoding is a candidate, each prompt joins its request's drafter
+        lag, fed only if a speculative round comes, which prices that catch-up against
+        the tokens the batch has left (`_decide`); otherwise every round speculates and the
+        drafter's prefill runs with the target's, as a fixed configuration's does."""
+        return None in self.policy.candidates
 
     def choose(self, batch: BatchView) -> SpecConfig | None:
         """The configuration for the next round over these requests (see `BatchView`:
@@ -158,19 +158,6 @@ class AdaptivePolicy:
         self.counts[spec_label(best)] += 1
         self.decide_seconds += time.perf_counter() - t0
         return best
-
-    def expects_speculation(self, batch: int, context: float | None = None, mode: int = GREEDY) -> bool:
-        """Would a round over `batch` requests (of `mode`) the engine knows nothing about yet speculate?
-        Judged from the engine-wide statistics alone, with no catch-up to pay: the engine
-        asks at admission whether to feed the drafter the prompts now, with the target's
-        prefill, or only if a speculative round comes."""
-        if not self.specs:
-            return False
-        self._settle_plain()
-        B = max(1, batch)
-        plain = B / self.costs.round_seconds(None, B, context) if None in self.policy.candidates else 0.0
-        tokens, seconds = self._speculative(B * self.expected_accept([NEW_REQUEST], [mode])[0], B, context)
-        return bool((tokens / seconds).max() > (1 + self.tuning.plain_margin) * plain)
 
     def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
                 remaining: list[int] | None = None, context: float | None = None,
