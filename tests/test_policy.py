@@ -471,34 +471,44 @@ def test_a_policy_that_never_speculates_never_runs_the_drafter(trained_ckpt, pro
     assert llm.last_stats.spec_choices == {"none": llm.last_stats.num_steps}
 
 
-def test_the_drafter_waits_for_a_speculative_round_where_plain_decoding_may_run(trained_ckpt, prompts):
-    """Where plain decoding is a candidate the prompts' drafter prefill waits, priced as
-    a catch-up by the round that would need it; where every round speculates it runs with
-    the target's prefill, as with a fixed configuration."""
+def test_the_drafter_is_prefilled_with_the_target_when_speculation_earns_it_back(trained_ckpt, prompts):
+    """At admission the prompts go through the drafter with the target's prefill where the
+    policy expects to speculate with that prefill paid (the first round then has nothing to
+    catch up); with statistics that say drafts fail, they wait."""
     from branchspec.checkpoint import load_checkpoint
     from branchspec.engine.engine import Engine
 
     engine = Engine(load_checkpoint(trained_ckpt, "float64"), EngineConfig(max_batch_size=2))
-    waits = engine.policy(SpecConfig.auto())
-    seq = engine.add_request(prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine._admit(waits)
-    assert engine.drafter.lag(seq.seq_id) == len(prompts[1])
-    engine.abort(seq)
-    always = engine.policy(SpecConfig.auto([SpecConfig.chain(3), SpecConfig(2, 2, 4, selection="calibrated")]))
-    seq = engine.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine._admit(always)
-    assert engine.drafter.lag(seq.seq_id) == 0
+    runner = engine.policy(SpecConfig.auto())
+    # Fixed costs: the decision must not depend on how fast this machine was just now.
+    runner._costs = flat_costs(10.0, 0.5)
+    runner.costs.catch_up_seconds = lambda batch, lag, context=None: 1e-5 * lag * batch
+    seq = engine.add_request(prompts[1], SamplingParams(max_tokens=64, ignore_eos=True))
+    engine._admit(runner)
+    assert not engine.drafter.lag(seq.seq_id)
+
+    runner.acceptance.global_counts[:, HITS] = 0.0
+    late = engine.add_request(prompts[3], SamplingParams(max_tokens=64, ignore_eos=True))
+    engine._admit(runner)
+    assert engine.drafter.lag(late.seq_id) == len(prompts[3])
 
 
-def test_a_prompts_catch_up_is_worth_it_for_a_long_generation_not_a_burst_of_short_ones():
-    """The same catch-up of a deferred prompt, spread over the rounds the batch has left."""
+def test_a_prompts_drafter_prefill_waits_unless_speculation_earns_it_back():
+    """The prompts' drafter pass, priced like a catch-up and spread over the rounds the
+    batch has left: worth it for a long generation, not for a burst of short ones, never
+    where drafts fail; without plain decoding among the candidates it always runs."""
     chain4 = SpecConfig.chain(4)
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 2.5)
     runner.costs.catch_up_seconds = lambda batch, lag, context=None: 0.2e-3 * lag * batch
-    assert choose(runner, [1], lag=[200], remaining=[256]) == chain4
-    batch = list(range(32))
-    assert choose(runner, batch, lag=[200] * 32, remaining=[16] * 32) is None
+    assert not runner.defer_drafter(BatchView([1], [200], [256], 200.0))
+    burst = list(range(32))
+    assert runner.defer_drafter(BatchView(burst, [200] * 32, [16] * 32, 200.0))
+    runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
+    assert runner.defer_drafter(BatchView([1], [200], [256], 200.0))
+    always = AdaptivePolicy(AutoPolicy(candidates=(chain4,)), flat_costs(10.0, 0.5))
+    always.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
+    assert not always.defer_drafter(BatchView([1], [200], [256], 200.0))
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):

@@ -169,6 +169,16 @@ class Engine:
         self.num_spec_rounds += result.spec is not None
         return done + self._postprocess(running, result)
 
+    def _admission_view(self, admitted: list[Sequence]) -> BatchView:
+        """The running batch as the next round will see it, with each admitted request's
+        prompt (prefilled now) as the drafter's lag, were it not fed with the prefill."""
+        running = list(self.scheduler.running)
+        view = self._view(running)
+        new = {s.seq_id: len(s.token_ids) for s in admitted}
+        lag = [new.get(s.seq_id, n) for s, n in zip(running, view.lag)]
+        context = sum(len(s.token_ids) for s in running) / len(running)
+        return BatchView(seq_ids=view.seq_ids, lag=lag, remaining=view.remaining, context=context, modes=view.modes)
+
     def _view(self, running: list[Sequence]) -> BatchView:
         lag = self.drafter.lag if self.drafter is not None else (lambda seq_id: 0)
         return BatchView(seq_ids=[s.seq_id for s in running], lag=[lag(s.seq_id) for s in running],
@@ -215,11 +225,7 @@ class Engine:
             admitted.append(seq)
         if not admitted:
             return []
-        running = self.scheduler.running
-        sampled = sum(s.params.sampling_temperature > 0 for s in running)
-        defer = policy.uses_drafter and policy.defer_drafter(
-            len(running), sum(len(s.token_ids) for s in running) / len(running),
-            SAMPLED if 2 * sampled > len(running) else GREEDY)
+        defer = policy.uses_drafter and policy.defer_drafter(self._admission_view(admitted))
         out = self.runner.prefill(admitted, follow=policy.uses_drafter, defer=defer)
         self.phase_seconds["prefill"] += out.seconds
         done = []

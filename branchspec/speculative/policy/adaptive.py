@@ -30,11 +30,11 @@ and runs the argmax. Both factors are measured, not assumed:
   Speculation must look `plain_margin` better than plain decoding, a new best must beat
   the standing choice by `switch_margin`, and a switch between plain decoding and
   speculation is judged again after `probe_rounds` rounds (`tuning.Tuning`).
-* **Catch-up**: plain rounds do not feed the drafter, and neither does a prompt's prefill
-  while plain decoding is a candidate, so speculating first costs one drafter pass over
-  what it missed. That is paid once, so it is spread over the rounds the batch has left:
-  a burst of long prompts with few tokens to generate is not worth it, one chat of a
-  hundred tokens is.
+* **Catch-up**: plain rounds do not feed the drafter, so speculating after them first
+  costs one drafter pass over what it missed. That is paid once, so it is spread over the
+  rounds the batch has left. A prompt's drafter prefill is priced the same way at
+  admission (`defer_drafter`): it runs with the target's only where speculation is
+  expected to win with it paid, else it waits as lag.
 
 Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
 the target model's. The decision is a few small numpy operations every few rounds.
@@ -127,12 +127,22 @@ class AdaptivePolicy:
                                        self.expected.R)
         return self.expected(q.numpy())
 
-    def defer_drafter(self, batch_size: int, context: float, mode: int = GREEDY) -> bool:
-        """Where plain decoding is a candidate, each prompt joins its request's drafter
-        lag, fed only if a speculative round comes, which prices that catch-up against
-        the tokens the batch has left (`_decide`); otherwise every round speculates and the
-        drafter's prefill runs with the target's, as a fixed configuration's does."""
-        return None in self.policy.candidates
+    def defer_drafter(self, batch: BatchView) -> bool:
+        """At admission, over the running batch with the new prompts as lag: the drafter's
+        prefill runs with the target's, as a fixed configuration's does, unless plain
+        decoding may run and is expected to win even before that prefill is paid, the
+        prefill priced like any catch-up, spread over the tokens the batch has left (a
+        chat of a hundred tokens earns it back, a burst of long prompts with a few tokens
+        each to go may not). Then each prompt joins its request's drafter lag, fed only if
+        a speculative round comes."""
+        if None not in self.policy.candidates:
+            return False
+        if not self.specs:
+            return True
+        self._settle_plain()
+        options, rates, _ = self._rates(batch.seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
+        rates[0] *= 1 + self.tuning.plain_margin
+        return int(np.argmax(rates)) == 0
 
     def choose(self, batch: BatchView) -> SpecConfig | None:
         """The configuration for the next round over these requests (see `BatchView`:
@@ -165,23 +175,7 @@ class AdaptivePolicy:
         self._settle_plain()
         B = len(seq_ids)
         specs = self.specs
-        options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
-        rates = np.empty(len(options))
-        if options[0] is None:
-            rates[0] = B / self.costs.round_seconds(None, B, context)
-        emitted = None
-        if specs:
-            per_request = self.expected_accept(seq_ids, modes)                # [B, C]
-            if remaining:     # a request near its budget cannot emit more than it has left
-                per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
-            emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
-            tokens, seconds = self._speculative(emitted, B, context)
-            # Speculating now first feeds the drafter what it has not followed (a deferred
-            # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
-            if lag and max(lag) > 0:
-                left = float(np.mean(remaining)) if remaining else 0.0
-                seconds = seconds + self.costs.catch_up_seconds(B, max(lag), context) / np.maximum(1.0, left * B / tokens)
-            rates[len(options) - len(specs):] = tokens / seconds
+        options, rates, emitted = self._rates(seq_ids, lag, remaining, context, modes)
         estimate = {spec_label(spec): float(rate) for spec, rate in zip(options, rates)}
         judged = rates.copy()
         if options[0] is None:
@@ -200,6 +194,33 @@ class AdaptivePolicy:
         self.last_choice, self.last_estimate = best, estimate
         self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
         return best
+
+    def _rates(self, seq_ids: list[int], lag: list[int] | None, remaining: list[int] | None,
+               context: float | None, modes: list[int] | None
+               ) -> tuple[list[SpecConfig | None], np.ndarray, np.ndarray | None]:
+        """Every option (plain decoding first, where a candidate), its expected emitted
+        tokens per second over these requests [options], and each speculative candidate's
+        expected tokens per round by the positional model [C] (None without any)."""
+        B = len(seq_ids)
+        specs = self.specs
+        options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
+        rates = np.empty(len(options))
+        if options[0] is None:
+            rates[0] = B / self.costs.round_seconds(None, B, context)
+        emitted = None
+        if specs:
+            per_request = self.expected_accept(seq_ids, modes)                # [B, C]
+            if remaining:     # a request near its budget cannot emit more than it has left
+                per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
+            emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
+            tokens, seconds = self._speculative(emitted, B, context)
+            # Speculating now first feeds the drafter what it has not followed (a deferred
+            # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
+            if lag and max(lag) > 0:
+                left = float(np.mean(remaining)) if remaining else 0.0
+                seconds = seconds + self.costs.catch_up_seconds(B, max(lag), context) / np.maximum(1.0, left * B / tokens)
+            rates[len(options) - len(specs):] = tokens / seconds
+        return options, rates, emitted
 
     def _speculative(self, emitted: np.ndarray, B: int, context: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Each speculative candidate's calibrated tokens per round and round seconds [C],

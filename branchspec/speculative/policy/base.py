@@ -46,10 +46,10 @@ class SpecPolicy(Protocol):
     def prepare(self, progress: bool = False) -> None:
         """Measure now what the policy would otherwise measure on first use."""
 
-    def defer_drafter(self, batch_size: int, context: float, mode: int = 0) -> bool:
-        """At admission: leave the prompts' drafter prefill as lag (fed only if a
-        speculative round comes) rather than running it with the target's. mode: what
-        most of the batch decodes by (`calibration.GREEDY` or `SAMPLED`)."""
+    def defer_drafter(self, batch: BatchView) -> bool:
+        """At admission, over the running batch (the newly admitted requests' lag: their
+        prompts): leave the prompts' drafter prefill as lag (fed only if a speculative
+        round comes) rather than running it with the target's."""
 
     def choose(self, batch: BatchView) -> SpecConfig | None: ...
 

@@ -33,7 +33,7 @@ class FixedPolicy:
     def prepare(self, progress: bool = False) -> None:
         pass
 
-    def defer_drafter(self, batch_size: int, context: float, mode: int = 0) -> bool:
+    def defer_drafter(self, batch: BatchView) -> bool:
         return False
 
     def choose(self, batch: BatchView) -> SpecConfig | None:
