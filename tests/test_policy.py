@@ -200,7 +200,7 @@ def test_auto_policy_sampled_follows_target_distribution(tmp_path):
 
 def test_expected_accept_of_a_chain_is_the_sum_of_acceptance_products():
     chain = SpecConfig.chain(4)
-    expected = ExpectedAccept((chain, SpecConfig(2, 2, 4)))
+    expected = ExpectedAccept((chain, SpecConfig(2, 2, 4)), max_rank=8)
     assert (expected.depth, expected.R) == (3, 2)          # the most steps, the largest topk
     q = np.full((2, 3, 2), 0.1)
     q[0, 0, 0], q[0, 1, 0], q[0, 2, 0] = 0.9, 0.5, 0.2          # main line, rank 1
@@ -217,7 +217,7 @@ def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
     D-1 largest path products among the nodes within its depth and branching."""
     policy = SpecConfig.auto()
     rng = np.random.default_rng(0)
-    expected = ExpectedAccept(policy.speculative)
+    expected = ExpectedAccept(policy.speculative, max_rank=8)
     q = rng.uniform(0.05, 1.0, size=(3, 2, expected.depth, expected.R))
     e = expected(q)
     for c, spec in enumerate(policy.speculative):
@@ -231,6 +231,16 @@ def test_expected_accept_is_the_best_nodes_of_each_candidate_by_brute_force():
                 values.append(value)
             best = sorted(values, reverse=True)[: spec.num_draft_tokens - 1]
             assert e[b, c] == pytest.approx(1.0 + sum(best)), spec_label(spec)
+
+
+def test_ranks_past_the_measured_ones_share_the_last_ones_estimate():
+    wide = SpecConfig(2, 12, 13)
+    expected = ExpectedAccept((wide,), max_rank=8)
+    q = np.full((1, 2, 2, 8), 0.01)
+    q[0, 0, 0, :] = np.linspace(0.5, 0.15, 8)      # the root's children, by rank
+    # 12 children of the root: ranks 1-8 measured, 9-12 valued as rank 8; 12 more nodes fit
+    # nowhere better (their values are products below 0.01)
+    assert expected(q)[0, 0] == pytest.approx(1 + q[0, 0, 0].sum() + 4 * q[0, 0, 0, 7])
 
 
 def test_observe_counts_tries_and_hits_by_depth_and_rank():
@@ -538,7 +548,6 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     (dict(candidates=()), "non-empty"),
     (dict(candidates=(SpecConfig.chain(3), "chain")), "candidates\\[1\\]"),
     (dict(candidates=(None, None)), "duplicates"),
-    (dict(candidates=(SpecConfig(1, 9, 10),)), "topk=9"),
 ])
 def test_bad_policies_are_refused(bad, message):
     with pytest.raises((TypeError, ValueError), match=message):

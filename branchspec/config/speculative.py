@@ -144,9 +144,9 @@ class AutoPolicy:
 
     candidates: tuple[SpecConfig | None, ...]
 
-    # The measured acceptance goes this deep and tells this many sibling ranks apart, and
-    # the expected accept length enumerates every node a candidate could verify: bounds on
-    # what a candidate may be.
+    # The measured acceptance goes this deep (a bound on a candidate's steps) and tells this
+    # many sibling ranks apart (lower ranks share the last one's estimates); the expected
+    # accept length enumerates every node a candidate could verify (a bound on its paths).
     MAX_DEPTH: ClassVar[int] = 16
     MAX_RANK: ClassVar[int] = 8
     MAX_PATHS: ClassVar[int] = 4096
@@ -163,9 +163,6 @@ class AutoPolicy:
             if c.num_steps > self.MAX_DEPTH:
                 raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) drafts {c.num_steps} steps deep; the "
                                  f"policy's statistics go {self.MAX_DEPTH} deep: use num_steps <= {self.MAX_DEPTH}")
-            if c.topk > self.MAX_RANK:
-                raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) has topk={c.topk}; the measured "
-                                 f"acceptance tells {self.MAX_RANK} sibling ranks apart: use topk <= {self.MAX_RANK}")
             paths = sum(c.topk ** d for d in range(1, c.num_steps + 1))
             if paths > self.MAX_PATHS:
                 raise ConfigError(f"{own}: candidates[{i}] ({spec_label(c)}) could verify {paths} distinct nodes "

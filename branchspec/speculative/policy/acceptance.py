@@ -40,10 +40,11 @@ class ExpectedAccept:
     matrix product: numpy's BLAS threads would spin on the cores the model's forwards run on.
     """
 
-    def __init__(self, specs: tuple[SpecConfig, ...]):
+    def __init__(self, specs: tuple[SpecConfig, ...], max_rank: int):
+        """max_rank: the sibling ranks the acceptance tells apart; lower ones share the last's."""
         self.specs = specs
         self.depth = max((c.num_steps for c in specs), default=1)
-        self.R = max((c.topk for c in specs), default=1)
+        self.R = min(max((c.topk for c in specs), default=1), max_rank)
         paths: dict[tuple, int] = {}
         members: list[list[int]] = []
         for spec in specs:
@@ -53,7 +54,7 @@ class ExpectedAccept:
         for path, i in paths.items():
             line = MAIN
             for j, (depth, rank) in enumerate(path):
-                self.path_edges[i, j] = (line * self.depth + depth) * self.R + rank
+                self.path_edges[i, j] = (line * self.depth + depth) * self.R + min(rank, self.R - 1)
                 if rank:
                     line = OFF
         # Candidates that differ only in D draw from the same nodes (those within their

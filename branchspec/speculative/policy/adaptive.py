@@ -86,7 +86,7 @@ class AdaptivePolicy:
         self.reads_acceptance = True
         self.acceptance = acceptance if acceptance is not None else AcceptanceModel()
         self.specs = policy.speculative
-        self.expected = ExpectedAccept(self.specs)
+        self.expected = ExpectedAccept(self.specs, self.acceptance.R)
         self.counts: Counter[str] = Counter()        # rounds per configuration label
         self.decide_seconds = 0.0
         self.last_choice: SpecConfig | None = None
