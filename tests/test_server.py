@@ -402,10 +402,10 @@ def test_an_exception_in_one_request_fails_it_alone(server, offline):
     runner = server.state.engine.runner
     real = runner.step
 
-    def step(seqs, spec, follow):
+    def step(seqs, spec, follow, learn=False):
         if any(s.prompt_ids == poison for s in seqs):
             raise RuntimeError("injected failure")
-        return real(seqs, spec, follow)
+        return real(seqs, spec, follow, learn)
 
     c = client(server, max_retries=0)
     runner.step = step
