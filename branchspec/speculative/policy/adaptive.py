@@ -20,12 +20,13 @@ and runs the argmax. Both factors are measured, not assumed:
   evidence of what did not run fades, so a calibration that unlucky rounds set low is
   tried again. Plain rounds let the acceptance evidence fade too, so a few unlucky rounds
   do not rule speculation out for good.
-* **Round time** (`costs.CostModel`): the target's and the drafter's forward time at (batch,
-  tokens per request, committed context), measured once on this machine at start-up,
+* **Round time** (`costs.CostModel`): the time of each call a round makes (the decode
+  step, the verify pass at D nodes, each candidate's drafting, the draft extend) at
+  (batch, tokens or growth, committed context), measured once on this machine at start-up,
   through the execution path the engine runs (eager or compiled), and cached on disk,
-  then composed per candidate (draft steps + verify + draft-extend, or one
-  decode step) at the batch's mean context, plus each candidate's per-round overhead
-  learned online from its measured round times.
+  then summed per candidate (drafting + verify + draft extend, or one decode step) at the
+  batch's mean context, plus each candidate's per-round overhead learned online from its
+  measured round times.
 * **Margins**: the choice is the largest of many noisy estimates, so it is biased high.
   Speculation must look `plain_margin` better than plain decoding, a new best must beat
   the standing choice by `switch_margin`, and a switch between plain decoding and
