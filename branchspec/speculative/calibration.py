@@ -232,24 +232,26 @@ class AcceptanceModel:
         if len(tiny):
             self._tables[tiny] *= self._scale[tiny].view(-1, *([1] * (self._tables.dim() - 1)))
             self._scale[tiny] = 1.0
-        ones = torch.ones((), dtype=torch.float64).expand(B, D, k)
         # Every addition of the round at once, (hits, mass, tries) in turn: where in a
-        # [3, *cells] block it goes, what it adds (tries and hits 1, mass p), and to which
-        # request's rows (the stored units: divided by the row's scale) and mode.
-        where = torch.cat([(HITS * size + cell)[hit], (MASS * size + cell)[valid], (TRIES * size + cell)[valid]])
-        amount = torch.cat([ones[hit], p[valid], ones[valid]])
-        request = torch.arange(B)[:, None, None].expand(B, D, k)
-        request = torch.cat([request[hit], request[valid], request[valid]])
+        # [3, *cells] block it goes and what it adds (a hit 1, mass p, a try 1; 0 where the
+        # child was not a try), to each request's rows (in the stored units: divided by
+        # the row's scale) and to its mode's engine-wide counts. Adding zeros costs less
+        # than selecting the tries out first.
+        validf = valid.double()
+        tables = torch.tensor([HITS, MASS, TRIES]).view(3, 1, 1, 1)
+        where = (tables * size + cell).view(3, B, -1)                                 # [3, B, D*k]
+        amount = torch.stack([hit.double(), torch.where(valid, p, 0.0), validf]).view(3, B, -1)
         block = 3 * size
-        self._tables.view(-1).index_put_((rows[request] * block + where,), amount / self._scale[rows][request],
-                                         accumulate=True)
+        offset = (rows * block).view(1, B, 1)
+        self._tables.view(-1).index_put_(((offset + where).view(-1),),
+                                         (amount / self._scale[rows].view(1, B, 1)).view(-1), accumulate=True)
         # Engine-wide: one decay every batch-size rounds, with a memory of at least
         # `global_memory` rounds (at batch 1 the one request's last ten rounds are too few).
         gd = max(self.decay ** (1.0 / B), 1.0 - 1.0 / self.global_memory)
         for m in set(modes):
             self.global_counts[m] *= gd
-        mode = torch.tensor(modes, dtype=torch.long)
-        self.global_counts.view(-1).index_put_((mode[request] * block + where,), amount, accumulate=True)
+        mode = torch.tensor(modes, dtype=torch.long).view(1, B, 1)
+        self.global_counts.view(-1).index_put_(((mode * block + where).view(-1),), amount.view(-1), accumulate=True)
 
     def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
         """`rounds` rounds without drafts over these requests: each one's own counts decay
