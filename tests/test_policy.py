@@ -348,6 +348,25 @@ def test_policy_speculates_when_drafts_are_cheap_and_accepted_and_not_otherwise(
     assert runner.counts == {"none": 1}
 
 
+def test_no_estimate_passes_what_a_round_can_emit():
+    """A kind's calibration (observed / predicted, learnt on its other shapes) may lift a
+    shallow shape's estimate past its deepest path plus the bonus; the estimate stops there,
+    and at what a request has left."""
+    shallow, deep = SpecConfig(2, 3, 6), SpecConfig(5, 2, 6)
+    runner = AdaptivePolicy(AutoPolicy(candidates=(shallow, deep)), flat_costs(10.0, 0.5))
+    for _ in range(40):        # every drafted node accepted: the positional model is near its cap
+        observe(runner, deep, [0], 0.02, *chain_outcome(5, depth=5), [6])
+    for _ in range(20):        # trees accept twice what it predicts
+        runner._calibrate(deep, observed=4.0, predicted=2.5, batch=1)
+    assert runner.calibration(shallow) > 1.5
+    options, rates, _ = runner._rates([0], None, None, None, None)
+    seconds = runner.costs.round_seconds_of([shallow, deep], 1, None)
+    tokens = dict(zip(options, rates * seconds))
+    assert tokens[shallow] == pytest.approx(3.0) and tokens[deep] == pytest.approx(6.0)
+    _, rates, _ = runner._rates([0], None, [2], None, None)
+    assert rates * seconds == pytest.approx([2.0, 2.0])
+
+
 def test_unlucky_rounds_do_not_rule_speculation_out_for_good():
     """Three rounds with nothing accepted make plain decoding look better; plain rounds
     then let that evidence fade, so speculation is tried again before long."""

@@ -88,6 +88,8 @@ class AdaptivePolicy:
         self.acceptance = acceptance if acceptance is not None else AcceptanceModel()
         self.specs = policy.speculative
         self.expected = ExpectedAccept(self.specs, self.acceptance.R)
+        # [C] each speculative candidate's longest accepted path, the bonus included
+        self._longest_path = np.array([1.0 + min(s.num_steps, s.num_draft_tokens - 1) for s in self.specs])
         self.counts: Counter[str] = Counter()        # rounds per configuration label
         self.decide_seconds = 0.0
         self.last_choice: SpecConfig | None = None
@@ -211,10 +213,17 @@ class AdaptivePolicy:
         emitted = None
         if specs:
             per_request = self.expected_accept(seq_ids, modes)                # [B, C]
-            if remaining:     # a request near its budget cannot emit more than it has left
-                per_request = np.minimum(per_request, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
+            # A round emits at most its deepest path plus the bonus, and never more than a
+            # request has left: the most each request can emit [B, C].
+            most = np.broadcast_to(self._longest_path, per_request.shape)
+            if remaining:
+                most = np.minimum(most, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
+            per_request = np.minimum(per_request, most)
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
             tokens, seconds = self._speculative(emitted, B, context)
+            # Calibrated (observed / predicted, learnt over the kind's other shapes too), an
+            # estimate may not pass what the round can emit either.
+            tokens = np.minimum(tokens, most.sum(axis=0))
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
