@@ -268,7 +268,7 @@ def test_policy_row_joins_the_study(tiny_ckpt, tmp_path, monkeypatch):
     rows = {r.batch_size: r for r in policy_table(result.cells)}
     for b in (1, 2):
         same = [c for c in result.cells if c.batch_size == b]
-        fixed = [c for c in same if c.kind in ("chain", "tree", "baseline")]
+        fixed = [c for c in same if c.kind in ("chain", "tree", "calibrated", "baseline")]
         best = max(fixed, key=lambda c: c.throughput_tok_s)
         side = [c for c in same if c.kind == "recheck"]
         roles = [c.extra["role"] for c in side]
@@ -302,19 +302,63 @@ def test_calibrated_trees_join_the_study(tiny_ckpt, tmp_path):
     cfg = StudyConfig(model=tiny_ckpt, workloads=("alpha",), budgets=(5,), batch_sizes=(1, 2),
                       tree_shapes=(TreeShape(2, 2),), max_tokens=8, num_prompts=2, dtype="float64", threads=1,
                       out_dir=tmp_path / "out", prompts_override=prompts, progress=False, plots=False,
-                      selections=("eagle2", "calibrated"))
+                      selections=("eagle2", "calibrated"), policy_repeats=2)
     assert [(s.num_steps, s.topk, s.selection) for s in cfg.specs_at(5)] == [
         (4, 1, "eagle2"), (2, 2, "eagle2"), (2, 2, "calibrated"), (4, 2, "calibrated"), (4, 3, "calibrated")]
     result = run_study(cfg)
+    assert len(result.cells) == cfg.num_cells() == 2 * (6 + 2 * 2)
     calibrated = [c for c in result.cells if c.kind == "calibrated"]
     assert sorted({c.shape for c in calibrated}) == ["2x2", "4x2", "4x3"] and len(calibrated) == 2 * 3
     assert all(c.matches_baseline is True for c in calibrated)
     rows = selection_table(result.cells)
     assert [(r.batch_size, r.D) for r in rows] == [(1, 5), (2, 5)]
     for r in rows:
+        same = [c for c in result.cells if c.batch_size == r.batch_size]
         best = max(c.accept_length for c in calibrated if c.batch_size == r.batch_size)
         assert r.accept_gain("chain") == pytest.approx(best / r.chain.accept_length - 1)
+        # The fastest calibrated tree and the fastest of the others, run again in turn twice;
+        # the throughput is judged on their medians (of two: the mean).
+        fastest = {kinds: max((c for c in same if c.kind in kinds), key=lambda c: c.throughput_tok_s)
+                   for kinds in (("calibrated",), ("chain", "tree"))}
+        side = [c for c in same if c.kind == "recheck"]
+        assert [c.extra["role"] for c in side] == ["best_other", "best_calibrated"] * 2
+        for c in side:
+            ran = fastest[("calibrated",) if c.extra["role"] == "best_calibrated" else ("chain", "tree")]
+            assert (c.D, c.topk, c.extra["of"], c.extra["D"]) == (ran.D, ran.topk, ran.kind, 5)
+            assert c.matches_baseline is None and c.tokens == r.batch_size * 8
+        runs = {role: [c.throughput_tok_s for c in side if c.extra["role"] == role]
+                for role in ("best_calibrated", "best_other")}
+        assert r.throughput_ratio() == pytest.approx(sum(runs["best_calibrated"]) / sum(runs["best_other"]))
+        assert r.sweep_throughput_ratio() == pytest.approx(
+            fastest[("calibrated",)].throughput_tok_s / fastest[("chain", "tree")].throughput_tok_s)
     assert tuple(SELECTION_HEADERS) in _table_headers((result.out_dir / "report.md").read_text())
     assert result.summary["calibrated"]["cells"] == 2
+    assert result.summary["calibrated"]["throughput_judged"] == "side by side"
     with pytest.raises(ValueError, match="selections"):
         StudyConfig(model=tiny_ckpt, selections=("calibrated",))
+
+
+def _cell(kind: str, tok_s: float, D: int | None = 6, shape: str = "3x2", **extra) -> CellResult:
+    return CellResult(workload="alpha", batch_size=1, kind=kind, shape=shape, D=D, num_steps=3, topk=2,
+                      accept_length=2.0, accept_rate_per_depth=[], throughput_tok_s=tok_s, speedup=None,
+                      ms_per_round={}, num_rounds=1, request_rounds=1, tokens=8, decode_seconds=1.0,
+                      prefill_seconds=0.0, wall_seconds=1.0, max_tokens=8, temperature=0.0,
+                      mean_prompt_tokens=5.0, extra=dict(extra))
+
+
+def test_the_policy_is_judged_against_calibrated_trees_too():
+    """A calibrated tree is a fixed configuration a user may pick: when it is the fastest,
+    it is the policy's best fixed configuration; the selection's side-by-side runs do not
+    count as the policy's."""
+    from branchspec.bench.analysis import policy_table
+    from branchspec.bench.report import fixed_label
+
+    cells = [_cell("baseline", 100.0, D=None, shape="baseline"), _cell("chain", 140.0, shape="chain"),
+             _cell("tree", 150.0), _cell("calibrated", 160.0), _cell("auto", 150.0, D=None, shape="auto"),
+             _cell("recheck", 999.0, role="best_calibrated", D=6, repeat=0, of="calibrated"),
+             _cell("recheck", 155.0, role="best_fixed", repeat=0, of="calibrated"),
+             _cell("recheck", 152.0, role="auto", repeat=0, of="auto")]
+    (row,) = policy_table(cells)
+    assert row.best_fixed.kind == "calibrated" and fixed_label(row.best_fixed) == "3x2 D=6 calibrated"
+    assert row.side_by_side == {"best_fixed": [155.0], "auto": [152.0]}
+    assert row.vs_best_fixed == pytest.approx(152.0 / 155.0)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import fmean, median
 
-from branchspec.bench.metrics import CellResult
+from branchspec.bench.metrics import FIXED_KINDS, CellResult
 from branchspec.speculative.round import ROUND_PHASES
 
 BREAKDOWN_PHASES = (*ROUND_PHASES, "other")
@@ -135,7 +135,9 @@ def accept_table(cells: list[CellResult]) -> list[AcceptRow]:
 @dataclass
 class SelectionRow:
     """One (workload, batch size, D): the chain, the best EAGLE-2 tree and the best
-    calibrated tree, each best by accept length and by throughput."""
+    calibrated tree, each best by accept length and by throughput; and (`side_by_side`,
+    role -> throughputs) the best calibrated tree and the best of the others by
+    throughput, run again in turn."""
 
     workload: str
     batch_size: int
@@ -143,6 +145,7 @@ class SelectionRow:
     chain: CellResult
     eagle2: list[CellResult]
     calibrated: list[CellResult]
+    side_by_side: dict[str, list[float]] = field(default_factory=dict)
 
     def best(self, kind: str, by: str) -> CellResult:
         cells = self.eagle2 if kind == "eagle2" else self.calibrated
@@ -153,11 +156,20 @@ class SelectionRow:
         base = self.chain if over == "chain" else self.best("eagle2", "accept_length")
         return gain(self.best("calibrated", "accept_length").accept_length, base.accept_length)
 
-    def throughput_ratio(self) -> float | None:
-        """The best calibrated tree's throughput over the best of the chain and the EAGLE-2 trees."""
+    def sweep_throughput_ratio(self) -> float | None:
+        """The best calibrated tree's throughput over the best of the chain and the
+        EAGLE-2 trees, each best by its one run in the sweep."""
         base = max([self.chain, *self.eagle2], key=lambda c: c.throughput_tok_s).throughput_tok_s
         best = self.best("calibrated", "throughput_tok_s").throughput_tok_s
         return best / base if base > 0 else None
+
+    def throughput_ratio(self) -> float | None:
+        """The same two configurations' ratio of median throughputs side by side where
+        that ran, else the sweep's."""
+        calibrated, other = self.side_by_side.get("best_calibrated"), self.side_by_side.get("best_other")
+        if not calibrated or not other:
+            return self.sweep_throughput_ratio()
+        return median(calibrated) / median(other) if median(other) > 0 else None
 
     def to_dict(self) -> dict:
         return {"workload": self.workload, "batch_size": self.batch_size, "D": self.D,
@@ -168,17 +180,25 @@ class SelectionRow:
                 "calibrated_shape": self.best("calibrated", "accept_length").shape,
                 "gain_vs_chain": _round(self.accept_gain("chain")),
                 "gain_vs_eagle2": _round(self.accept_gain("eagle2")),
-                "throughput_vs_best_other": _round(self.throughput_ratio())}
+                "throughput_vs_best_other": _round(self.throughput_ratio()),
+                "sweep_throughput_vs_best_other": _round(self.sweep_throughput_ratio())}
+
+
+SELECTION_ROLES = ("best_other", "best_calibrated")     # `study.recheck_selection`'s
+POLICY_ROLES = ("baseline", "best_fixed", "auto")        # `study.recheck_policy`'s
 
 
 def selection_table(cells: list[CellResult]) -> list[SelectionRow]:
     """Calibrated against EAGLE-2 trees and the chain, per (workload, batch size, D) that
     ran all three (the study's `selections=("eagle2", "calibrated")`)."""
     groups: dict[tuple[str, int, int], dict[str, list[CellResult]]] = defaultdict(lambda: defaultdict(list))
+    side: dict[tuple[str, int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for c in cells:
         if c.kind in ("chain", "tree", "calibrated"):
             groups[(c.workload, c.batch_size, c.D)][c.kind].append(c)
-    rows = [SelectionRow(w, b, d, g["chain"][0], g["tree"], g["calibrated"])
+        elif c.kind == "recheck" and c.extra.get("role") in SELECTION_ROLES:
+            side[(c.workload, c.batch_size, c.extra["D"])][c.extra["role"]].append(c.throughput_tok_s)
+    rows = [SelectionRow(w, b, d, g["chain"][0], g["tree"], g["calibrated"], dict(side.get((w, b, d), {})))
             for (w, b, d), g in groups.items() if g["chain"] and g["tree"] and g["calibrated"]]
     return sorted(rows, key=lambda r: (r.D, r.workload, r.batch_size))
 
@@ -314,12 +334,12 @@ def policy_table(cells: list[CellResult]) -> list[PolicyRow]:
     rows = []
     for a in (c for c in cells if c.kind == "auto"):
         same = [c for c in cells if c.workload == a.workload and c.batch_size == a.batch_size]
-        fixed = [c for c in same if c.kind in ("chain", "tree", "baseline")]
+        fixed = [c for c in same if c.kind in FIXED_KINDS]
         best = max(fixed, key=lambda c: c.throughput_tok_s, default=None)
         base = next((c for c in same if c.kind == "baseline"), None)
         side: dict[str, list[float]] = defaultdict(list)
         for c in same:
-            if c.kind == "recheck":
+            if c.kind == "recheck" and c.extra.get("role") in POLICY_ROLES:
                 side[c.extra["role"]].append(c.throughput_tok_s)
         rows.append(PolicyRow(a.workload, a.batch_size, a, best, base, dict(side)))
     return rows
@@ -355,4 +375,5 @@ def selection_summary(rows: list[SelectionRow]) -> dict:
             "mean_accept_gain_vs_eagle2": _round(_mean(vs_eagle2)),
             "cells_below_chain": sum(1 for g in vs_chain if g is not None and g < 0),
             "cells_below_eagle2": sum(1 for g in vs_eagle2 if g is not None and g < 0),
-            "throughput_at_least_best_other": sum(1 for t in tp if t is not None and t >= 1.0)}
+            "throughput_at_least_best_other": sum(1 for t in tp if t is not None and t >= 1.0),
+            "throughput_judged": "side by side" if any(r.side_by_side for r in rows) else "sweep"}

@@ -106,8 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: fixed")
     p.add_argument("--policy-repeats", type=int, default=3, metavar="N",
                    help="with fixed,auto: after each (workload, batch size), run plain decoding, the best fixed "
-                        "configuration and the policy again in turn N times and judge the policy on the medians "
-                        "(default: 3; 0: judge on the sweep's single runs)")
+                        "configuration and the policy again in turn N times and judge the policy on the medians; "
+                        "with eagle2,calibrated, the same at each D for the best calibrated tree and the best of "
+                        "the others (default: 3; 0: judge on the sweep's single runs)")
     p.add_argument("--selections", type=_name_list, default=None, metavar="S[,S..]",
                    help="eagle2 (the paper's node selection, by cumulative draft probability) and optionally "
                         "calibrated (by measured acceptance: the same shapes plus (D-1)x2 and (D-1)x3); "

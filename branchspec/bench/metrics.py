@@ -20,6 +20,8 @@ from branchspec.llm import GenerateStats, RequestOutput
 from branchspec.bench.grid import shape_label
 
 KINDS = ("baseline", "chain", "tree", "auto")
+# A cell of one of these ran one fixed configuration (or plain decoding), for the whole cell.
+FIXED_KINDS = ("baseline", "chain", "tree", "calibrated")
 
 
 @dataclass

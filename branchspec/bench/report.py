@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from statistics import median
 
 from branchspec.bench.analysis import (
     BREAKDOWN_PHASES,
@@ -112,12 +113,21 @@ POLICY_HEADERS = ("workload", "batch size", "best fixed", "sweep: auto tok/s", "
                   "decide ms/round")
 
 
+def fixed_label(cell: CellResult) -> str:
+    """A fixed configuration's name in the tables: "no spec", "chain D=5", "3x2 D=6",
+    "3x2 D=6 calibrated"."""
+    if cell.kind == "baseline":
+        return "no spec"
+    if cell.kind == "chain":
+        return f"chain D={cell.D}"
+    return f"{cell.shape} D={cell.D}" + (" calibrated" if cell.kind == "calibrated" else "")
+
+
 def policy_rows(cells: list[CellResult]) -> list[list[str]]:
     rows = []
     for r in policy_table(cells):
         fixed = r.best_fixed
-        label = "-" if fixed is None else ("no spec" if fixed.kind == "baseline" else
-                                           f"{fixed.shape} D={fixed.D}" if fixed.kind == "tree" else f"chain D={fixed.D}")
+        label = "-" if fixed is None else fixed_label(fixed)
         total = sum(r.choices.values()) or 1
         runs = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in list(r.choices.items())[:3])
         side = [num(r.side_median(role), 1) for role in ("auto", "best_fixed", "baseline")]
@@ -130,7 +140,18 @@ def policy_rows(cells: list[CellResult]) -> list[list[str]]:
 
 
 SELECTION_HEADERS = ("workload", "batch", "D", "chain accept", "EAGLE-2 accept (shape)", "calibrated accept (shape)",
-                     "vs chain", "vs EAGLE-2", "calibrated tok/s / best other")
+                     "vs chain", "vs EAGLE-2", "sweep: calibrated tok/s / best other",
+                     "side by side: best calibrated / best other", "calibrated tok/s / best other")
+
+
+def side_pair(row) -> str:
+    """The two configurations a selection row reran side by side, with their median tok/s."""
+    if not row.side_by_side:
+        return "-"
+    calibrated = max(row.calibrated, key=lambda c: c.throughput_tok_s)
+    other = max([row.chain, *row.eagle2], key=lambda c: c.throughput_tok_s)
+    return (f"{calibrated.shape} {num(median(row.side_by_side['best_calibrated']), 1)}"
+            f" / {other.shape} {num(median(row.side_by_side['best_other']), 1)}")
 
 
 def selection_rows(cells: list[CellResult]) -> list[list[str]]:
@@ -139,7 +160,8 @@ def selection_rows(cells: list[CellResult]) -> list[list[str]]:
         e, c = r.best("eagle2", "accept_length"), r.best("calibrated", "accept_length")
         rows.append([r.workload, str(r.batch_size), str(r.D), num(r.chain.accept_length),
                      f"{num(e.accept_length)} ({e.shape})", f"{num(c.accept_length)} ({c.shape})",
-                     pct(r.accept_gain("chain")), pct(r.accept_gain("eagle2")), num(r.throughput_ratio())])
+                     pct(r.accept_gain("chain")), pct(r.accept_gain("eagle2")), num(r.sweep_throughput_ratio()),
+                     side_pair(r), num(r.throughput_ratio())])
     return rows
 
 
@@ -207,7 +229,8 @@ def render_report(cells: list[CellResult], comparisons: list[Comparison], summar
             "",
             "Per (workload, batch size, D): the best tree of each selection by accept length, its gain over the "
             "chain and over the best EAGLE-2 tree, and the best calibrated tree's throughput over the best of the "
-            "chain and the EAGLE-2 trees (each best by throughput).",
+            "chain and the EAGLE-2 trees (each best by throughput): in the sweep (one run each), then those two "
+            "run again in turn, medians (\"side by side\"). The last column is judged side by side where that ran.",
             "",
             markdown_table(SELECTION_HEADERS, selection_rows(cells)), ""] if selection_table(cells) else []),
         "## Every cell",

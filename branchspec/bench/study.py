@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, calibrated_specs_at_budget, shape_label, specs_at_budget
-from branchspec.bench.metrics import CellResult, measure_cell
+from branchspec.bench.metrics import FIXED_KINDS, CellResult, measure_cell
 from branchspec.config import SamplingParams, SpecConfig, check_device, spec_label
 from branchspec.speculative.draft_vocab import token_map_arg
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
@@ -79,7 +79,8 @@ class StudyConfig:
     # With both policies: after each (workload, batch size), plain decoding, the best fixed
     # configuration there and the policy run again, this many times in turn (0: not), and
     # the policy is judged on the medians (one run of the best of many configurations is
-    # that configuration's luckiest run).
+    # that configuration's luckiest run). With both selections, the same for the best
+    # calibrated tree against the best of the chain and the EAGLE-2 trees at each D.
     policy_repeats: int = 3
     # Which node selections the fixed grid's trees run: "eagle2" (the paper's, by cumulative
     # draft probability) and/or "calibrated" (by measured acceptance, over the same shapes
@@ -197,13 +198,19 @@ class StudyConfig:
 
     @property
     def rechecks(self) -> int:
-        """Side-by-side repeats after each (workload, batch size): see `policy_repeats`."""
+        """The policy's side-by-side repeats after each (workload, batch size): see `policy_repeats`."""
         return self.policy_repeats if {"fixed", "auto"} <= set(self.policies) else 0
+
+    @property
+    def selection_rechecks(self) -> int:
+        """The calibrated selection's side-by-side repeats at each (workload, batch size, D)."""
+        return self.policy_repeats if "fixed" in self.policies and "calibrated" in self.selections else 0
 
     def num_cells(self) -> int:
         """Generate calls the study makes (at most: a recheck whose best fixed
         configuration is plain decoding runs two roles, not three)."""
-        return len(self.workloads) * len(self.batch_sizes) * (len(self.group()) + 3 * self.rechecks)
+        per_batch = len(self.group()) + 3 * self.rechecks + 2 * len(self.budgets) * self.selection_rechecks
+        return len(self.workloads) * len(self.batch_sizes) * per_batch
 
     def describe(self) -> dict:
         """The configuration as JSON-ready values (prompts_override summarised)."""
@@ -348,7 +355,9 @@ def run_study(cfg: StudyConfig) -> StudyResult:
                     f.flush()  # a long sweep that is interrupted keeps what it measured
                     if bar is not None:
                         bar.update(1)
-                for cell in recheck_policy(llm, cfg, workload, batch, params, cells, bar):
+                rechecked = recheck_selection(llm, cfg, workload, batch, params, cells, bar)
+                rechecked += recheck_policy(llm, cfg, workload, batch, params, cells, bar)
+                for cell in rechecked:
                     cells.append(cell)
                     f.write(json.dumps(cell.to_dict()) + "\n")
                     f.flush()
@@ -362,40 +371,73 @@ def run_study(cfg: StudyConfig) -> StudyResult:
                        out_dir=out_dir, files=files, wall_seconds=wall_seconds)
 
 
-def recheck_policy(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
-                   cells: list[CellResult], bar=None) -> list[CellResult]:
-    """Plain decoding, the best fixed configuration of this (workload, batch size) and the
-    policy, run again in turn `cfg.rechecks` times: cells of kind "recheck", their role
-    ("baseline", "best_fixed", "auto") and repeat in `extra`. The best of many configurations
-    by one run each is partly the luckiest; measured side by side, the comparison is fair."""
-    if not cfg.rechecks:
-        return []
-    b = len(batch)
-    fixed = [c for c in cells if c.workload == workload and c.batch_size == b
-             and c.kind in ("chain", "tree", "baseline")]
-    best = max(fixed, key=lambda c: c.throughput_tok_s)
-    roles: dict[str, SpecConfig | None] = {"baseline": None}
-    if best.kind != "baseline":
-        roles["best_fixed"] = SpecConfig(num_steps=best.num_steps, topk=best.topk, num_draft_tokens=best.D)
-    roles["auto"] = cfg.auto_policy()
-    if bar is not None and len(roles) < 3:
-        bar.total -= cfg.rechecks
-        bar.refresh()
+def spec_of(cell: CellResult) -> SpecConfig:
+    """The fixed configuration a chain, tree or calibrated cell ran."""
+    return SpecConfig(num_steps=cell.num_steps, topk=cell.topk, num_draft_tokens=cell.D,
+                      selection="calibrated" if cell.kind == "calibrated" else "eagle2")
+
+
+def run_side_by_side(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
+                     roles: dict[str, SpecConfig | None], label: str, bar=None, **extra) -> list[CellResult]:
+    """Run `roles` (role -> configuration) in turn, `cfg.policy_repeats` times: cells of
+    kind "recheck" with their role, repeat, the kind they rechecked and `extra` in `extra`.
+    The best of many configurations by one run each is partly the luckiest; measured side
+    by side, in turn, the comparison is fair."""
     out = []
-    for repeat in range(cfg.rechecks):
+    for repeat in range(cfg.policy_repeats):
         for role, spec in roles.items():
             if bar is not None:
-                bar.set_postfix_str(f"{workload} bs={b} side by side: {role}")
+                bar.set_postfix_str(f"{workload} bs={len(batch)} {label}: {role}")
             t0 = time.perf_counter()
             outs = llm.generate(batch, params, spec=spec)
             cell = measure_cell(workload, spec, outs, llm.last_stats, wall_seconds=time.perf_counter() - t0,
                                 max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-            cell.extra = {**cell.extra, "role": role, "repeat": repeat, "of": cell.kind}
+            cell.extra = {**cell.extra, **extra, "role": role, "repeat": repeat, "of": cell.kind}
             cell.kind = "recheck"
             out.append(cell)
             if bar is not None:
                 bar.update(1)
     return out
+
+
+def recheck_selection(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
+                      cells: list[CellResult], bar=None) -> list[CellResult]:
+    """At each D of this (workload, batch size): the best calibrated tree and the best of
+    the chain and the EAGLE-2 trees (each best by its sweep run), run again in turn
+    `cfg.selection_rechecks` times (roles "best_other", "best_calibrated"; D in `extra`)."""
+    if not cfg.selection_rechecks:
+        return []
+    b, out = len(batch), []
+    for D in cfg.budgets:
+        same = [c for c in cells if c.workload == workload and c.batch_size == b and c.D == D]
+        other = max((c for c in same if c.kind in ("chain", "tree")), key=lambda c: c.throughput_tok_s, default=None)
+        calibrated = max((c for c in same if c.kind == "calibrated"), key=lambda c: c.throughput_tok_s, default=None)
+        if other is None or calibrated is None:
+            continue
+        roles = {"best_other": spec_of(other), "best_calibrated": spec_of(calibrated)}
+        out += run_side_by_side(llm, cfg, workload, batch, params, roles, f"D={D} side by side", bar, D=D)
+    return out
+
+
+def recheck_policy(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
+                   cells: list[CellResult], bar=None) -> list[CellResult]:
+    """Plain decoding, the best fixed configuration of this (workload, batch size) (any
+    chain, EAGLE-2 or calibrated tree, or plain decoding) and the policy, run again in turn
+    `cfg.rechecks` times: roles "baseline", "best_fixed" and "auto"."""
+    if not cfg.rechecks:
+        return []
+    b = len(batch)
+    fixed = [c for c in cells if c.workload == workload and c.batch_size == b
+             and c.kind in FIXED_KINDS]
+    best = max(fixed, key=lambda c: c.throughput_tok_s)
+    roles: dict[str, SpecConfig | None] = {"baseline": None}
+    if best.kind != "baseline":
+        roles["best_fixed"] = spec_of(best)
+    roles["auto"] = cfg.auto_policy()
+    if bar is not None and len(roles) < 3:
+        bar.total -= cfg.rechecks
+        bar.refresh()
+    return run_side_by_side(llm, cfg, workload, batch, params, roles, "side by side", bar)
 
 
 def write_outputs(out_dir: Path, cells: list[CellResult], config: dict, wall_seconds: float,
