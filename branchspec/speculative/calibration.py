@@ -26,6 +26,7 @@ rounds only, never on this round's target draws, so decoding stays lossless.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from branchspec.config import AutoPolicy
@@ -98,7 +99,16 @@ class AcceptanceModel:
     request without counts reads the engine-wide ones), each row stored divided by its
     own scale: decaying a request's counts multiplies its scale, so a round costs work in
     proportion to its proposals, not to the tables' size.
+
+    Rounds are learnt `REFRESH_ROUNDS` at a time, and the selection's factors for a batch
+    are read again only when that batch changes or new rounds were learnt: the estimates
+    move slowly (each round weighs a tenth), so a few rounds' lag costs the selection next
+    to nothing, while each learning and reading is a string of small operations that run
+    slowly between a round's large ones. Whatever else reads the model (the policy's
+    `acceptance`, `counts`, ...) learns every round seen first.
     """
+
+    REFRESH_ROUNDS = 4
 
     def __init__(self, max_rank: int = AutoPolicy.MAX_RANK, decay: float = 0.9, prior_weight: float = 4.0,
                  prior_observations: float = 4.0, global_memory: int = 100):
@@ -107,17 +117,28 @@ class AcceptanceModel:
         self.global_memory = global_memory
         edges = torch.tensor((0.0, *PROB_EDGES, 1.0), dtype=torch.float64)
         self.edges = torch.tensor(PROB_EDGES, dtype=torch.float64)
+        self._edges_np = self.edges.numpy()
         middle = (edges[:-1] + edges[1:]) / 2                                # [buckets]
         shape = (2, MAX_DEPTH, self.R, len(middle))
         hits = middle.expand(shape) * prior_observations
         # tries such that each (line, depth, rank)'s prior hits / tries is the marginal prior
         tries = hits / marginal_prior(self.R)[..., None]
         self.prior = torch.stack([hits, hits, tries])                        # [3, *shape]: hits, mass, tries
-        self.global_counts = self.prior.expand(2, *self.prior.shape).clone()  # [modes, 3, *shape]
+        self._global = self.prior.expand(2, *self.prior.shape).clone()  # [modes, 3, *shape]
         self._rows: dict[int, int] = {}
         self._free: list[int] = []
         self._tables = torch.zeros(1, *self.prior.shape, dtype=torch.float64)    # [rows, 3, *shape] / scale
         self._scale = torch.ones(1, dtype=torch.float64)                           # [rows]
+        self._pending: list[tuple] = []      # rounds observed, not yet learnt
+        self._factors: tuple | None = None   # (key, log factors) the selection read last
+
+    @property
+    def global_counts(self) -> torch.Tensor:
+        """[modes, 3, 2, MAX_DEPTH, R, buckets] the engine-wide counts (hits, mass, tries),
+        every round seen learnt; writing into them is seen by the next read."""
+        self._learn_pending()
+        self._factors = None
+        return self._global
 
     @property
     def prior_hits(self) -> torch.Tensor:
@@ -147,10 +168,12 @@ class AcceptanceModel:
     def counts(self, seq_id: int) -> torch.Tensor | None:
         """A request's own [3, 2, MAX_DEPTH, R, buckets] (hits, mass, tries), None before
         its first round."""
+        self._learn_pending()
         row = self._rows.get(seq_id)
         return None if row is None else self._tables[row] * self._scale[row]
 
     def forget(self, seq_id: int) -> None:
+        self._learn_pending()
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self._tables[row] = 0.0
@@ -158,29 +181,38 @@ class AcceptanceModel:
             self._free.append(row)
 
     # -- reading -------------------------------------------------------------------------
+    # The tables are small and every round reads and updates a few of their cells, so the
+    # arithmetic runs in numpy on views of the same memory: a few microseconds an operation
+    # where torch's dispatch takes several.
     def _counts(self, seq_ids: list[int], modes: list[int], tables: list[int], depth: int, ranks: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The first `depth` depths and `ranks` ranks of `tables`: each request's own
         counts [B, T, 2, depth, ranks, buckets] as stored (zero for a request without), the
         scale [B, 1, 1, 1, 1] they are stored divided by, the engine-wide counts of its mode
         [B, T, ...] (never 0 / 0, however long a cell went unseen) and the prior [T, ...]."""
-        rows = self._lookup(seq_ids)
-        t = torch.tensor(tables)
-        own = self._tables[:, :, :, :depth, :ranks][rows[:, None], t]
-        prior = self.prior[t][..., :depth, :ranks, :]
-        wide = self.global_counts[:, :, :, :depth, :ranks][torch.tensor(modes, dtype=torch.long)[:, None], t]
-        return own, self._scale[rows].view(-1, 1, 1, 1, 1), wide + 1e-3 * prior, prior
+        rows = np.array([self._rows.get(s, 0) for s in seq_ids], dtype=np.int64)
+        t = np.array(tables)
+        own = self._tables.numpy()[:, :, :, :depth, :ranks][rows[:, None], t]
+        prior = self.prior.numpy()[t][..., :depth, :ranks, :]
+        wide = self._global.numpy()[:, :, :, :depth, :ranks][np.array(modes, dtype=np.int64)[:, None], t]
+        return own, self._scale.numpy()[rows].reshape(-1, 1, 1, 1, 1), wide + 1e-3 * prior, prior
 
     def log_factors(self, seq_ids: list[int], modes: list[int], depth: int = MAX_DEPTH,
                     ranks: int | None = None) -> torch.Tensor:
         """[B, 2, depth, ranks, buckets] log c of each request's cells (the first `depth`
         depths and `ranks` ranks; all by default): its own counts shrunk towards the
-        engine-wide ratio with `prior_weight` tries' mass."""
+        engine-wide ratio with `prior_weight` tries' mass. Up to `REFRESH_ROUNDS` - 1
+        rounds behind (see the class)."""
+        key = (tuple(seq_ids), tuple(modes), depth, ranks)
+        if self._factors is not None and self._factors[0] == key:
+            return self._factors[1]
         own, scale, wide, prior = self._counts(seq_ids, modes, [HITS, MASS], depth, ranks or self.R)
         g = wide[:, 0] / wide[:, 1]
         # the mass of prior_weight tries, in the units the counts are stored in
         w = prior[1] * (self.prior_weight / self.prior_observations) / scale
-        return ((own[:, 0] + w * g) / (own[:, 1] + w)).clamp(min=1e-3).log()
+        factors = torch.from_numpy(np.log(np.maximum((own[:, 0] + w * g) / (own[:, 1] + w), 1e-3)))
+        self._factors = (key, factors)
+        return factors
 
     def acceptance(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4, depth: int = MAX_DEPTH,
                    ranks: int | None = None) -> torch.Tensor:
@@ -189,11 +221,12 @@ class AcceptanceModel:
         off it (the first `depth` depths and `ranks` ranks; all by default): each
         request's own hits / tries shrunk towards the engine-wide ratio with
         `prior_weight` tries, never below `floor`."""
+        self._learn_pending()
         own, scale, wide, _ = self._counts(seq_ids, modes, [HITS, TRIES], depth, ranks or self.R)
-        own, wide = own.sum(dim=-1), wide.sum(dim=-1)
+        own, wide = own.sum(axis=-1), wide.sum(axis=-1)
         g = wide[:, 0] / wide[:, 1]
         w = self.prior_weight / scale[..., 0]
-        return ((own[:, 0] + w * g) / (own[:, 1] + w)).clamp(floor, 1.0)
+        return torch.from_numpy(np.clip((own[:, 0] + w * g) / (own[:, 1] + w), floor, 1.0))
 
     def bucket(self, prob: torch.Tensor) -> torch.Tensor:
         """The probability bucket of each drafter probability (same shape)."""
@@ -211,55 +244,74 @@ class AcceptanceModel:
         """One verified round over distinct requests: children [B, D, k] the drafter's
         proposals after each accepted-path node (-1: not expanded), children_logp [B, D, k]
         their drafter log-probabilities (at each request's temperature), targets [B, D] the
-        target's token at each path node (-1 past the path)."""
+        target's token at each path node (-1 past the path). Learnt with the next
+        `REFRESH_ROUNDS` - 1 rounds, or when something reads the model."""
+        tensors = (t.to("cpu", copy=True) for t in (children, children_logp, targets))
+        self._pending.append((list(seq_ids), list(modes), *tensors))
+        if len(self._pending) >= self.REFRESH_ROUNDS:
+            self._learn_pending()
+
+    def _learn_pending(self) -> None:
+        """Learn the rounds observed so far, in order, one after another."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for round_ in pending:
+            self._learn(*round_)
+        self._factors = None
+
+    def _learn(self, seq_ids: list[int], modes: list[int], children: torch.Tensor, children_logp: torch.Tensor,
+               targets: torch.Tensor) -> None:
         D, k = min(children.shape[1], MAX_DEPTH), min(children.shape[2], self.R)
-        ch, p = children[:, :D, :k].cpu(), children_logp[:, :D, :k].cpu().double().exp()
-        tg = targets[:, :D, None].cpu()
+        ch = children[:, :D, :k].cpu().numpy()
+        p = np.exp(children_logp[:, :D, :k].cpu().numpy().astype(np.float64))
+        tg = targets[:, :D, None].cpu().numpy()
         B = ch.shape[0]
         valid = (ch >= 0) & (tg >= 0)                                       # [B, D, k]
         hit = valid & (ch == tg)
-        main = torch.ones(B, D, dtype=torch.bool)                           # path node i on the main line
-        main[:, 1:] = torch.cumprod(hit[:, :-1, 0].long(), dim=1).bool()
-        line = (~main).long()[..., None].expand(B, D, k)
-        depth = torch.arange(D)[None, :, None].expand(B, D, k)
-        rank = torch.arange(k)[None, None].expand(B, D, k)
+        main = np.ones((B, D), dtype=bool)                                  # path node i on the main line
+        main[:, 1:] = np.cumprod(hit[:, :-1, 0], axis=1).astype(bool)
+        line = (~main).astype(np.int64)[..., None]
+        depth = np.arange(D)[None, :, None]
+        rank = np.arange(k)[None, None]
         buckets = len(self.edges) + 1
-        cell = ((line * MAX_DEPTH + depth) * self.R + rank) * buckets + self.bucket(p)   # [B, D, k] in a table
+        bucket = np.searchsorted(self._edges_np, p, side="left")            # as `bucket_of`
+        cell = ((line * MAX_DEPTH + depth) * self.R + rank) * buckets + bucket   # [B, D, k] in a table
         size = self.prior[0].numel()
-        rows = self._rows_for(seq_ids)
-        self._scale[rows] *= self.decay
-        tiny = rows[self._scale[rows] < 1e-100]          # fold a long-lived row's scale back in
+        rows = self._rows_for(seq_ids).numpy()
+        scale = self._scale.numpy()
+        scale[rows] *= self.decay
+        tiny = rows[scale[rows] < 1e-100]                 # fold a long-lived row's scale back in
         if len(tiny):
-            self._tables[tiny] *= self._scale[tiny].view(-1, *([1] * (self._tables.dim() - 1)))
-            self._scale[tiny] = 1.0
+            self._tables.numpy()[tiny] *= scale[tiny].reshape(-1, *([1] * (self._tables.dim() - 1)))
+            scale[tiny] = 1.0
         # Every addition of the round at once, (hits, mass, tries) in turn: where in a
         # [3, *cells] block it goes and what it adds (a hit 1, mass p, a try 1; 0 where the
         # child was not a try), to each request's rows (in the stored units: divided by
         # the row's scale) and to its mode's engine-wide counts. Adding zeros costs less
         # than selecting the tries out first.
-        validf = valid.double()
-        tables = torch.tensor([HITS, MASS, TRIES]).view(3, 1, 1, 1)
-        where = (tables * size + cell).view(3, B, -1)                                 # [3, B, D*k]
-        amount = torch.stack([hit.double(), torch.where(valid, p, 0.0), validf]).view(3, B, -1)
+        where = (np.array([HITS, MASS, TRIES]).reshape(3, 1, 1, 1) * size + cell).reshape(3, B, -1)
+        amount = np.stack([hit, np.where(valid, p, 0.0), valid]).astype(np.float64).reshape(3, B, -1)
         block = 3 * size
-        offset = (rows * block).view(1, B, 1)
-        self._tables.view(-1).index_put_(((offset + where).view(-1),),
-                                         (amount / self._scale[rows].view(1, B, 1)).view(-1), accumulate=True)
+        np.add.at(self._tables.numpy().reshape(-1), rows.reshape(1, B, 1) * block + where,
+                  amount / scale[rows].reshape(1, B, 1))
         # Engine-wide: one decay every batch-size rounds, with a memory of at least
         # `global_memory` rounds (at batch 1 the one request's last ten rounds are too few).
         gd = max(self.decay ** (1.0 / B), 1.0 - 1.0 / self.global_memory)
+        wide = self._global.numpy()
         for m in set(modes):
-            self.global_counts[m] *= gd
-        mode = torch.tensor(modes, dtype=torch.long).view(1, B, 1)
-        self.global_counts.view(-1).index_put_(((mode * block + where).view(-1),), amount.view(-1), accumulate=True)
+            wide[m] *= gd
+        np.add.at(wide.reshape(-1), np.array(modes, dtype=np.int64).reshape(1, B, 1) * block + where, amount)
 
     def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
         """`rounds` rounds without drafts over these requests: each one's own counts decay
         as in a speculative round (its estimate returns towards the engine-wide one), and
         the engine-wide counts of their modes drift back towards the prior by `rate` a
         round, so a few unlucky rounds do not rule speculation out for good."""
+        self._learn_pending()
+        self._factors = None
         rows = self._lookup(seq_ids)
         self._scale[rows[rows > 0]] *= self.decay ** rounds
         drift = (1.0 - rate) ** rounds
         for m in set(modes):
-            self.global_counts[m] = drift * self.global_counts[m] + (1.0 - drift) * self.prior
+            self._global[m] = drift * self._global[m] + (1.0 - drift) * self.prior
