@@ -174,6 +174,7 @@ class AcceptanceModel:
 
     def forget(self, seq_id: int) -> None:
         self._learn_pending()
+        self._factors = None
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self._tables[row] = 0.0
@@ -190,7 +191,7 @@ class AcceptanceModel:
         counts [B, T, 2, depth, ranks, buckets] as stored (zero for a request without), the
         scale [B, 1, 1, 1, 1] they are stored divided by, the engine-wide counts of its mode
         [B, T, ...] (never 0 / 0, however long a cell went unseen) and the prior [T, ...]."""
-        rows = np.array([self._rows.get(s, 0) for s in seq_ids], dtype=np.int64)
+        rows = self._lookup(seq_ids).numpy()
         t = np.array(tables)
         own = self._tables.numpy()[:, :, :, :depth, :ranks][rows[:, None], t]
         prior = self.prior.numpy()[t][..., :depth, :ranks, :]
