@@ -19,6 +19,11 @@ page_size entries as the sequence grows (`reserve`). Reads gather what a forward
 into dense `LayerState`s; writes (`commit`) scatter the chosen nodes' scratch into the
 slots of their positions. Visibility is by committed length, so a slot is only read once
 the position it holds is committed.
+
+Writes have static shapes: every node of a forward is written, and a node not kept (a
+rejected branch, a padding node, a position already out of its ring) goes to the storage's
+last row, the *sink*, which no page holds and nothing reads. So a commit has no
+data-dependent sizes and runs inside a compiled step as well as eagerly (`write_nodes`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ class StateAddresses:
     raw_pos: torch.Tensor                     # [B, W-1] positions of the window rows
     raw_valid: torch.Tensor                   # [B, 1, W-1] which of them exist
     entries_valid: dict[int, torch.Tensor]    # ratio -> [B, E] which entries exist
+
+
+@dataclass
+class BlockTables:
+    """A batch's padded block tables, by kind ({kind: [B, pages]}, at least two pages wide
+    so that a compiled step never specialises a growing table's width to 1), and the page
+    size they count in: what a commit addresses its slots with."""
+
+    tables: dict[str, torch.Tensor]
+    page_size: int
 
 
 def read_states(cfg: ModelConfig, storage: dict[str, torch.Tensor], addr: StateAddresses) -> list[LayerState]:
@@ -123,7 +138,8 @@ class PagedState:
             if n < 1:
                 raise ValueError(f"num_pages[{name!r}] must be >= 1, got {n}")
             self.pools[name] = BlockPool(n, name)
-            self.storage[name] = torch.zeros(len(spec.layers), n * page_size, spec.width,
+            # n pages of page_size slots, then the sink (see the module's docstring)
+            self.storage[name] = torch.zeros(len(spec.layers), n * page_size + 1, spec.width,
                                              dtype=dtype, device=self.device)
         self.tables: dict[int, dict[str, list[int]]] = {}
         # Padded block-table tensors per (kind, batch), rebuilt only after an allocation
@@ -190,18 +206,18 @@ class PagedState:
 
     def _build_table(self, kind: str, seq_ids: list[int]) -> torch.Tensor:
         rows = [self.tables[s][kind] for s in seq_ids]
-        width = max(1, max(len(r) for r in rows))
+        width = max(2, max(len(r) for r in rows))     # see BlockTables
         t = torch.zeros(len(rows), width, dtype=torch.long)
         for i, r in enumerate(rows):
             t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         return t.to(self.device)
 
     def _slots(self, kind: str, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """index: [B, X] position (ring) or entry number (growing), >= 0 -> flat slot [B, X]."""
-        spec, P = self.specs[kind], self.page_size
-        logical = index % spec.ring if spec.ring is not None else index
-        page = torch.gather(table, 1, (logical // P).clamp(max=table.shape[1] - 1))
-        return page * P + logical % P
+        return flat_slots(self.specs[kind], self.page_size, table, index)
+
+    def block_tables(self, seq_ids: list[int], kinds: tuple[str, ...] | None = None) -> BlockTables:
+        """The batch's block tables of `kinds` (default: every kind)."""
+        return BlockTables({n: self._table(n, seq_ids) for n in (kinds or self.specs)}, self.page_size)
 
     def _ring_read(self, kind: str, table: torch.Tensor, lengths: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,63 +301,79 @@ class PagedState:
     def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch],
                keep: torch.Tensor) -> None:
         """Write the scratch of the nodes in `keep` [B, N] (a root-to-node path, or every node
-        of a prefill chunk) into the persistent pools at their positions.
+        of a prefill chunk) into the persistent pools at their positions (`write_nodes`).
 
         `keep` must be a prefix-closed path starting at depth 0; the new committed length is
         L + keep.sum(1). Reserve pages first.
         """
-        tables = {n: self._table(n, seq_ids) for n in self.specs if n != "mtp"}
-        new_len = meta.num_committed + keep.sum(1)                   # [B]
-        pos = meta.positions
-        bi, ni = self._ring_writes(keep, pos, new_len, self.specs["raw"].ring)
-        raw_slots = self._slots("raw", tables["raw"], pos)[bi, ni]
-        # Where each compress ratio's rows and entries go: the same for every layer of it.
-        plans = {}
-        for c in self.cfg.compressed_kinds:
-            r = c.ratio
-            b2, n2 = self._ring_writes(keep, pos, new_len, self.specs[f"buf{r}"].ring)
-            plan = meta.pools[r]
-            kept = plan.complete_valid & torch.gather(keep, 1, plan.complete_idx)   # [B, K]
-            kb, kk = kept.nonzero(as_tuple=True)
-            entry = plan.entry_index.clamp(min=0)
-            slots = {"buf": self._slots(f"buf{r}", tables[f"buf{r}"], pos)[b2, n2],
-                     "ent": self._slots(f"ent{r}", tables[f"ent{r}"], entry)[kb, kk]}
-            if c.indexer:
-                slots["ibuf"] = self._slots("ibuf", tables["ibuf"], pos)[b2, n2]
-                slots["ikey"] = self._slots("ikey", tables["ikey"], entry)[kb, kk]
-            plans[c] = (b2, n2, kb, kk, slots)
-        # One write per kind for all its layers: the layers' scratch stacked, then the kept
-        # nodes' values [layers of kind, kept, width] scattered to their slots.
-        self._write_all("raw", raw_slots, torch.stack([s.k for s in scratch])[:, bi, ni])
-        for c, (b2, n2, kb, kk, slots) in plans.items():
-            r = c.ratio
-            of_r = [s for s, x in zip(scratch, self.cfg.layer_compression) if x == c]
-            self._write_all(f"buf{r}", slots["buf"], torch.stack([s.rows for s in of_r])[:, b2, n2])
-            self._write_all(f"ent{r}", slots["ent"], torch.stack([s.entries for s in of_r])[:, kb, kk])
-            if c.indexer:
-                self._write_all("ibuf", slots["ibuf"], torch.stack([s.index_rows for s in of_r])[:, b2, n2])
-                self._write_all("ikey", slots["ikey"], torch.stack([s.index_keys for s in of_r])[:, kb, kk])
+        write_nodes(self.cfg, self.storage, self.block_tables(seq_ids), meta, scratch, keep)
 
     def commit_mtp(self, seq_ids: list[int], meta: ForwardMeta, scratch: LayerScratch,
                    keep: torch.Tensor) -> None:
-        new_len = meta.num_committed + keep.sum(1)
-        bi, ni = self._ring_writes(keep, meta.positions, new_len, self.specs["mtp"].ring)
-        slots = self._slots("mtp", self._table("mtp", seq_ids), meta.positions)[bi, ni]
-        self._write("mtp", 0, slots, scratch.k[bi, ni])
+        write_mtp(self.cfg, self.storage, self.block_tables(seq_ids, ("mtp",)), meta, scratch, keep)
 
-    @staticmethod
-    def _ring_writes(keep: torch.Tensor, pos: torch.Tensor, new_len: torch.Tensor, ring: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept nodes whose position survives in a ring of `ring` slots after the commit.
 
-        Older positions of a long chunk would land on the same slots as newer ones; they are
-        out of reach anyway, and skipping them keeps scatter indices unique.
-        """
-        return (keep & (pos >= new_len[:, None] - ring)).nonzero(as_tuple=True)
+# -- writes (static shapes: the same code eagerly and inside a compiled step) ---------------
+def flat_slots(spec: KindSpec, page_size: int, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """index: [B, X] position (ring kinds) or entry number (growing kinds), >= 0 -> flat
+    slot [B, X] through the block table [B, pages]."""
+    logical = index % spec.ring if spec.ring is not None else index
+    page = torch.gather(table, 1, (logical // page_size).clamp(max=table.shape[1] - 1))
+    return page * page_size + logical % page_size
 
-    def _write(self, kind: str, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.storage[kind][self._layer_slot[(kind, layer)]][slots] = values.to(self.dtype)
 
-    def _write_all(self, kind: str, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """values: [layers of kind, K, width] -> slots [K] of every layer of the kind."""
-        self.storage[kind][:, slots] = values.to(self.dtype)
+def _sunk(store: torch.Tensor, written: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Flat slots [M] for the rows [B, X] of `slots`, those not `written` sent to the sink."""
+    return torch.where(written, slots, store.shape[1] - 1).reshape(-1)
+
+
+def _put(store: torch.Tensor, slots: torch.Tensor, values: list[torch.Tensor]) -> None:
+    """values: one [B, X, width] per layer of the kind -> slots [B * X] of every layer."""
+    v = torch.stack(values)                                           # [layers, B, X, width]
+    store[:, slots] = v.reshape(v.shape[0], -1, v.shape[-1]).to(store.dtype)
+
+
+def write_nodes(cfg: ModelConfig, storage: dict[str, torch.Tensor], tables: BlockTables, meta: ForwardMeta,
+                scratch: list[LayerScratch], keep: torch.Tensor) -> None:
+    """Write the kept nodes' scratch (keep: [B, N], a prefix-closed path or a chunk's valid
+    nodes) into the target's pools: each node's rows at the slot of its position, in every
+    ring that still holds that position once L + keep.sum(1) tokens are committed, and each
+    kept completing node's entry at the slot of its entry number. Every other node and
+    completion goes to the sink. One write per kind for all its layers."""
+    page_size = tables.page_size
+    specs = {s.name: s for s in kind_specs(cfg, page_size)}
+    pos = meta.positions                                              # [B, N]
+    new_len = meta.num_committed + keep.sum(1)                        # [B]
+
+    def ring_slots(kind: str) -> torch.Tensor:                        # [B * N]
+        spec = specs[kind]
+        kept = keep & (pos >= new_len[:, None] - spec.ring)
+        return _sunk(storage[kind], kept, flat_slots(spec, page_size, tables.tables[kind], pos))
+
+    _put(storage["raw"], ring_slots("raw"), [s.k for s in scratch])
+    for c in cfg.compressed_kinds:
+        r = c.ratio
+        of_r = [s for s, x in zip(scratch, cfg.layer_compression) if x == c]
+        plan = meta.pools[r]
+        kept = plan.complete_valid & torch.gather(keep, 1, plan.complete_idx)         # [B, K]
+        entry = plan.entry_index.clamp(min=0)
+
+        def entry_slots(kind: str) -> torch.Tensor:                   # [B * K]
+            return _sunk(storage[kind], kept, flat_slots(specs[kind], page_size, tables.tables[kind], entry))
+
+        _put(storage[f"buf{r}"], ring_slots(f"buf{r}"), [s.rows for s in of_r])
+        _put(storage[f"ent{r}"], entry_slots(f"ent{r}"), [s.entries for s in of_r])
+        if c.indexer:   # the indexer's own pools (their pages are not the compressor's)
+            _put(storage["ibuf"], ring_slots("ibuf"), [s.index_rows for s in of_r])
+            _put(storage["ikey"], entry_slots("ikey"), [s.index_keys for s in of_r])
+
+
+def write_mtp(cfg: ModelConfig, storage: dict[str, torch.Tensor], tables: BlockTables, meta: ForwardMeta,
+              scratch: LayerScratch, keep: torch.Tensor) -> None:
+    """The drafter's keys of the kept nodes (keep: [B, N]) into its "mtp" ring, likewise
+    (tables: at least the "mtp" kind's)."""
+    spec = next(s for s in kind_specs(cfg, tables.page_size) if s.name == "mtp")
+    pos = meta.positions
+    kept = keep & (pos >= (meta.num_committed + keep.sum(1))[:, None] - spec.ring)
+    slots = flat_slots(spec, tables.page_size, tables.tables["mtp"], pos)
+    _put(storage["mtp"], _sunk(storage["mtp"], kept, slots), [scratch.k])
