@@ -48,8 +48,9 @@ def test_warmup_compiles_a_few_graphs(llms):
     _, _, warm = llms
     # A configuration compiles what it runs and nothing else, once at batch 1 and once for
     # any larger batch. The tree: the target at D nodes (verify), the drafter at one node
-    # (first root), its growth and its draft extend (D + 1 nodes). The chain of the same D
-    # then needs only its own growth; plain decoding, the target at one node.
+    # (first root), its growth and its draft extend (D + 1 nodes, the path's commit in the
+    # same graph). The chain of the same D then needs only its own growth; plain decoding,
+    # the target at one node (its commit in the same graph).
     assert warm["tree"]["graphs"] == 2 * 4
     assert warm["chain"]["graphs"] == 2 * 1
     assert warm["plain"]["graphs"] == 2 * 1

@@ -148,3 +148,51 @@ def test_negative_control_unisolated_state_fails(tiny64):
         assert "ent4" in str(e) or "ikey" in str(e)
     else:
         raise AssertionError("assert_same_state accepted an unisolated state")
+
+
+def _walk(tokens: list[int], parents: list[int], target: list[int], cap: int) -> tuple[list[int], int]:
+    """The accepted path and bonus token by walking the tree one node at a time: from the
+    root, descend into the child carrying the target's token while one does."""
+    path = [0]
+    while len(path) < cap:
+        child = [j for j, p in enumerate(parents) if p == path[-1] and tokens[j] == target[path[-1]]]
+        if not child:
+            break
+        path.append(child[0])
+    return path, target[path[-1]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_accept_finds_the_path_a_walk_finds(data):
+    """`accept` (tensor ops over the whole tree at once) keeps exactly the path, bonus token
+    and keep mask that walking the tree along the target's tokens gives, under a cap on
+    path nodes too; a batch's rows do not interact."""
+    from branchspec.speculative.accept import accept
+
+    rows = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        parents, _ = data.draw(trees(max_nodes=8))
+        n = len(parents)
+        # Siblings carry distinct tokens (a drafter's top-k), drawn from few values so that
+        # the target often agrees; the target's token at each node likewise.
+        tokens = [0] * n
+        for j in range(1, n):
+            used = {tokens[i] for i in range(1, j) if parents[i] == parents[j]}
+            tokens[j] = data.draw(st.sampled_from([t for t in range(6) if t not in used]))
+        target = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+        rows.append((parents, tokens, target, data.draw(st.integers(1, n + 1))))
+    D = max(len(r[0]) for r in rows)
+    # Pad every tree to D nodes with a chain of nodes that never match (token -1).
+    pad = lambda r: (r[0] + list(range(len(r[0]) - 1, D - 1)), r[1] + [-1] * (D - len(r[1])),  # noqa: E731
+                     r[2] + [0] * (D - len(r[2])))
+    padded = [pad(r) for r in rows]
+    parents = torch.tensor([p for p, _, _ in padded])
+    tokens, target = torch.tensor([t for _, t, _ in padded]), torch.tensor([g for _, _, g in padded])
+    acc = accept(tokens, parents, ancestor_matrix(parents), target, torch.tensor([r[3] for r in rows]))
+    for b, (p, t, g, cap) in enumerate(rows):
+        path, bonus = _walk(t, p, g, cap)
+        assert acc.path_len[b] == len(path)
+        assert acc.path[b, :len(path)].tolist() == path
+        assert acc.bonus[b] == bonus
+        assert acc.keep[b].nonzero()[:, 0].tolist() == sorted(path)

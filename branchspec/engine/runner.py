@@ -199,10 +199,8 @@ class ModelRunner:
         clock = PhaseClock(self.sync)
         ids, L = batch.seq_ids, batch.lengths
         roots = batch.roots[:, None]                                          # [B, 1]
-        out, meta = self.executor.decode(roots, ids, L)
+        out = self.executor.decode(roots, ids, L)          # fed through the target and committed
         clock.lap("verify")
-        self.cache.commit(ids, meta, out.scratch, meta.valid)
-        clock.lap("commit")
         logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
         # The root sits at position L: the token drawn is at L + 1.
         emitted = [[t] for t in target_tokens(logits, batch.sampling, L[:, None] + 1)[:, 0].tolist()]

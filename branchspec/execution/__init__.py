@@ -9,7 +9,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from branchspec.cache.paged import PagedState
-from branchspec.model.attention import LayerState
+from branchspec.model.attention import LayerScratch, LayerState
 from branchspec.model.metadata import ForwardMeta
 from branchspec.model.model import ForwardOutput, Transformer
 
@@ -30,8 +30,10 @@ class Executor(Protocol):
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
                ) -> tuple[ForwardOutput, ForwardMeta]: ...
 
-    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
-               ) -> tuple[ForwardOutput, ForwardMeta]: ...
+    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput: ...
+
+    def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch], keep: torch.Tensor
+               ) -> None: ...
 
     def drafter_prefill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                         state: LayerState) -> ForwardOutput: ...
@@ -39,7 +41,8 @@ class Executor(Protocol):
     def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                 state: LayerState) -> ForwardOutput: ...
 
-    def graph(self, fn: Callable, plan: Any, batched: Any, shared: dict[str, torch.Tensor]) -> Any: ...
+    def graph(self, fn: Callable, plan: Any, batched: Any, shared: dict[str, torch.Tensor], pools: bool = False
+              ) -> Any: ...
 
     def extend_width(self, needed: int, bound: int) -> int: ...
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
-from branchspec.cache.paged import StateAddresses, read_states
+from branchspec.cache.paged import BlockTables, StateAddresses, read_states, write_nodes
 from branchspec.disk_cache import cache_dir
 from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
@@ -49,19 +49,35 @@ class Pools(Shared):
     a compiled step, which reads it at the batch's addresses inside its graph."""
 
 
+_FIELDS: dict[type, tuple[str, ...] | None] = {}   # a dataclass's init fields (None: not a dataclass)
+
+
+def _fields(cls: type) -> tuple[str, ...] | None:
+    if cls not in _FIELDS:
+        _FIELDS[cls] = (tuple(f.name for f in dataclasses.fields(cls) if f.init)
+                        if dataclasses.is_dataclass(cls) else None)
+    return _FIELDS[cls]
+
+
 def _map_batch(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply fn to every tensor with a batch dimension inside obj (dataclasses, dicts,
-    lists, tuples): the forward's inputs (ids, metadata, committed state) and its output."""
+    lists, tuples): the forward's inputs (ids, metadata, committed state) and its output.
+    A container none of whose tensors fn replaced is returned as it is (a step's
+    arguments are mapped on every call, and rebuilding them cost more than some steps'
+    kernels)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.dim() > 0 else obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_batch(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, dict):
-        return {k: _map_batch(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_batch(v, fn) for v in obj)
-    return obj
+        new = [_map_batch(v, fn) for v in obj]
+        return obj if all(a is b for a, b in zip(new, obj)) else type(obj)(new)
+    if isinstance(obj, dict):
+        new = {k: _map_batch(v, fn) for k, v in obj.items()}
+        return obj if all(new[k] is v for k, v in obj.items()) else new
+    names = _fields(type(obj))
+    if names is None:
+        return obj
+    new = {n: _map_batch(getattr(obj, n), fn) for n in names}
+    return obj if all(new[n] is getattr(obj, n) for n in names) else dataclasses.replace(obj, **new)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -69,6 +85,21 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     _map_batch(obj, lambda t: found.append(t) or t)
     return found
+
+
+def _found(obj: Any, cls: type):
+    """Every instance of cls inside obj (dataclasses, dicts, lists, tuples)."""
+    if isinstance(obj, cls):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _found(v, cls)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _found(v, cls)
+    elif not isinstance(obj, torch.Tensor) and (names := _fields(type(obj))) is not None:
+        for n in names:
+            yield from _found(getattr(obj, n), cls)
 
 
 def _states(obj: Any):
@@ -87,8 +118,9 @@ def mark_varying_sizes(args: tuple, drafter: bool, batch: bool = True) -> None:
     decode step, and 4.5 ms against 7.4 ms a call at batch 1).
 
     Varying: the batch (dim 0 of every input; not in a batch-1 step's own graph,
-    `batch=False`) and the committed entries of compressed
-    layers (a whole page more every page_size entries). For the drafter also the window
+    `batch=False`), the committed entries of compressed
+    layers (a whole page more every page_size entries) and the block tables of their
+    entries (a page more at a time). For the drafter also the window
     rows (a tree's own slots are appended to the committed window, more at every step)
     and, from 2 up, the node count: a tree's frontier (topk nodes) and the draft extend
     (D + 1 nodes) then share one graph."""
@@ -104,6 +136,10 @@ def mark_varying_sizes(args: tuple, drafter: bool, batch: bool = True) -> None:
                 if kind.startswith(("ent", "ikey")):
                     mark(t, 1)
             for t in arg.entries_valid.values():
+                mark(t, 1)
+    for tables in _found(args, BlockTables):
+        for kind, t in tables.tables.items():
+            if kind.startswith(("ent", "ikey")):
                 mark(t, 1)
     for st in _states(args):
         for t in (st.entries, st.entries_valid, st.index_keys):
@@ -152,14 +188,16 @@ def verify_step(model: Transformer, input_ids: torch.Tensor, parents: torch.Tens
 
 
 def decode_step(model: Transformer, input_ids: torch.Tensor, num_committed: torch.Tensor, pools: Pools,
-                addr: StateAddresses):
+                addr: StateAddresses, tables: BlockTables) -> ForwardOutput:
     """Plain decoding's step, likewise, one node per sequence (input_ids [B, 1]) after
-    num_committed [B] tokens. Its metadata is a function of the committed lengths alone,
-    so the graph builds it too (about 0.3 ms of eager ops a step at batch 1) and returns
-    it for the commit: (ForwardOutput, ForwardMeta)."""
+    num_committed [B] tokens, committed in the same graph: its metadata is a function of
+    the committed lengths alone (about 0.3 ms of eager ops a step at batch 1, built here),
+    and its one node per sequence is always kept, so the graph writes its state into the
+    pools (`write_nodes`; about 0.4 ms of eager ops). Returns the output, scratch dropped."""
     meta = chain_meta(num_committed, 1, model.cfg.compressed_kinds, max_new=1, static=True)
     out = model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr))
-    return out, meta
+    write_nodes(model.cfg, pools.storage, tables, meta, out.scratch, meta.valid)
+    return dataclasses.replace(out, scratch=[])
 
 
 def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta,
@@ -168,12 +206,18 @@ def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch
     return model.mtp_forward(input_ids, prev_hidden, meta, state, logits=False)
 
 
-def plan_step(fn: Callable, plan) -> Callable:
+def plan_step(fn: Callable, plan, pools: bool = False) -> Callable:
     """fn(model, plan, batched, shared) as a step of its own for one plan (a hashable value
-    of Python scalars its shapes and branches follow from): fn(model, batched, Shared)."""
+    of Python scalars its shapes and branches follow from): fn(model, batched, Shared);
+    with `pools`, fn(model, plan, batched, shared, storage) as fn(model, batched, Shared,
+    Pools)."""
 
-    def step(model: Transformer, batched, shared: Shared):
-        return fn(model, plan, batched, shared.storage)
+    if pools:
+        def step(model: Transformer, batched, shared: Shared, pools: Pools):
+            return fn(model, plan, batched, shared.storage, pools.storage)
+    else:
+        def step(model: Transformer, batched, shared: Shared):
+            return fn(model, plan, batched, shared.storage)
 
     step.__name__ = f"{fn.__name__}-{plan.label}"
     return step
@@ -287,7 +331,11 @@ class CompiledStep:
         self.eager = False          # the fallback failed to compile: run `fn` as it is
 
     def shape_class(self, args: tuple) -> str:
-        single = "-batch1" if _tensors(args[0])[0].shape[0] == 1 else ""   # the batch: dim 0 of every tensor
+        first = next(t for t in _found(args[0], torch.Tensor) if t.dim() > 0)
+        single = "-batch1" if first.shape[0] == 1 else ""   # the batch: dim 0 of every tensor
+        # A step that writes the pools computes slots in pages of a size it is compiled for.
+        tables = next(_found(args, BlockTables), None)
+        single += f"-page{tables.page_size}" if tables is not None else ""
         if self.one_shape:
             return "plan" + single
         n = args[0].shape[1]
@@ -457,6 +505,11 @@ class CompiledExecutor(EagerExecutor):
     pages, a draft extend always `bound` nodes wide, and the drafter's visibility given per
     node so that a tree's frontier and a draft extend share one graph. The model must be
     built with the dense expert dispatch (no shape may follow the routing).
+
+    A plain decode step and a draft extend commit inside their graphs. A verify pass's
+    commit (after accepting, outside any graph) runs eagerly, as on the eager path: as a
+    graph of its own it took as long as the eager writes (0.6-0.7 ms a round at batch 1
+    either way, most of it the call's argument handling and guards).
     """
 
     name = "compiled"
@@ -480,10 +533,12 @@ class CompiledExecutor(EagerExecutor):
     def over(self, cache) -> "CompiledExecutor":
         return CompiledExecutor(self.model, cache, self.steps, self.graphs)
 
-    def graph(self, fn: Callable, plan, batched, shared: dict[str, torch.Tensor]):
+    def graph(self, fn: Callable, plan, batched, shared: dict[str, torch.Tensor], pools: bool = False):
         step = self.graphs.get((fn, plan))
         if step is None:
-            step = self.graphs[(fn, plan)] = CompiledStep(self.model, plan_step(fn, plan), one_shape=True)
+            step = self.graphs[(fn, plan)] = CompiledStep(self.model, plan_step(fn, plan, pools), one_shape=True)
+        if pools:
+            return step(batched, Shared(shared), Pools(self.cache.storage))
         return step(batched, Shared(shared))
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
@@ -492,11 +547,10 @@ class CompiledExecutor(EagerExecutor):
         return self._verify(tokens, parents, lengths, Pools(self.cache.storage),
                             self.cache.addresses(seq_ids, lengths, whole_pages=True))
 
-    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
-               ) -> tuple[ForwardOutput, ForwardMeta]:
-        # The step builds its metadata in its graph, and returns it for the commit.
+    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
+        # The step builds its metadata and commits in its graph.
         return self._decode(roots, lengths, Pools(self.cache.storage),
-                            self.cache.addresses(seq_ids, lengths, whole_pages=True))
+                            self.cache.addresses(seq_ids, lengths, whole_pages=True), self.cache.block_tables(seq_ids))
 
     def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                 state: LayerState) -> ForwardOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from branchspec.cache.paged import PagedState
-from branchspec.model.attention import LayerState
+from branchspec.model.attention import LayerScratch, LayerState
 from branchspec.model.metadata import ForwardMeta, chain_meta, tree_meta
 from branchspec.model.model import ForwardOutput, Transformer
 
@@ -47,12 +47,18 @@ class EagerExecutor:
         meta = tree_meta(parents, lengths, self.kinds)
         return self.prefill(tokens, meta, seq_ids, lengths), meta
 
-    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
-               ) -> tuple[ForwardOutput, ForwardMeta]:
-        """One plain decode step: roots [B, 1] at positions lengths [B]; returns the
-        output and the metadata its commit needs."""
+    def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
+        """One plain decode step: roots [B, 1] at positions lengths [B], fed through the
+        target and committed (its pages reserved first)."""
         meta = chain_meta(lengths, 1, self.kinds)
-        return self.prefill(roots, meta, seq_ids, lengths), meta
+        out = self.prefill(roots, meta, seq_ids, lengths)
+        self.cache.commit(seq_ids, meta, out.scratch, meta.valid)
+        return out
+
+    def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch], keep: torch.Tensor) -> None:
+        """Write the scratch of a verify pass's kept nodes (keep: [B, D], the accepted
+        paths) into the pools (`PagedState.commit`)."""
+        self.cache.commit(seq_ids, meta, scratch, keep)
 
     # -- drafter ------------------------------------------------------------------------
     def drafter_prefill(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
@@ -66,12 +72,16 @@ class EagerExecutor:
         without its LM head."""
         return self.drafter_prefill(input_ids, prev_hidden, meta, state)
 
-    def graph(self, fn, plan, batched, shared: dict[str, torch.Tensor]):
+    def graph(self, fn, plan, batched, shared: dict[str, torch.Tensor], pools: bool = False):
         """fn(model, plan, batched, shared): a pure function of tensors whose shapes follow
         from `plan` (a hashable value), the batch and the model, such as a whole draft-tree
         growth; `batched` holds the batch's tensors (dim 0 the request), `shared` those
-        every request shares. Run as it is here; one compiled graph per plan on the fast
+        every request shares. With `pools`, fn(model, plan, batched, shared, storage) also
+        gets the paged state's storage ({kind: [layers of kind, slots, width]}), which it
+        may write (a commit). Run as it is here; one compiled graph per plan on the fast
         path."""
+        if pools:
+            return fn(self.model, plan, batched, shared, self.cache.storage)
         return fn(self.model, plan, batched, shared)
 
     def extend_width(self, needed: int, bound: int) -> int:

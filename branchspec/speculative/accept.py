@@ -22,30 +22,28 @@ class Acceptance:
     bonus: torch.Tensor        # [B] the target's token after the last path node
 
 
-def accept(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
+def accept(tokens: torch.Tensor, parents: torch.Tensor, ancestor: torch.Tensor, target: torch.Tensor,
            max_path_len: torch.Tensor | None = None) -> Acceptance:
-    """tokens, parents: [B, D]; target: [B, D] the target's token at every node
+    """tokens, parents: [B, D]; ancestor: [B, D, D] bool, m is n or an ancestor of n (the
+    verify plan's `ForwardMeta.ancestor`); target: [B, D] the target's token at every node
     (`sampling.target_tokens` of the verify logits); max_path_len: [B] optional cap on
-    path nodes (a request near its token budget)."""
+    path nodes (a request near its token budget).
+
+    No walk: a node *matches* when its token is the target's at its parent (the root
+    always does), and is accepted when it and all its ancestors match. Siblings carry
+    distinct tokens, so at most one child of an accepted node matches and the accepted
+    nodes form one path from the root, a node per depth. A dozen tensor ops, with no
+    sizes that depend on the data."""
     B, D = tokens.shape
-    bidx = torch.arange(B, device=tokens.device)
-    cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
-    active = torch.ones(B, dtype=torch.bool, device=tokens.device)
-    path = torch.zeros(B, D, dtype=torch.long, device=tokens.device)
-    path_len = torch.ones(B, dtype=torch.long, device=tokens.device)
-    # One iteration per depth, vectorised over the batch (siblings carry distinct tokens).
-    for _ in range(D - 1):
-        want = target[bidx, cur]                                     # [B]
-        match = (parents == cur[:, None]) & (tokens == want[:, None])
-        active = active & match.any(dim=1)
-        if max_path_len is not None:
-            active = active & (path_len < max_path_len)
-        if not active.any():
-            break
-        cur = torch.where(active, match.to(torch.int8).argmax(dim=1), cur)
-        path[bidx[active], path_len[active]] = cur[active]
-        path_len = path_len + active.long()
-    on_path = torch.arange(D, device=tokens.device)[None] < path_len[:, None]   # [B, D]
-    keep = torch.zeros(B, D, dtype=torch.bool, device=tokens.device)
-    keep[bidx[:, None].expand(B, D)[on_path], path[on_path]] = True
-    return Acceptance(path=path, path_len=path_len, keep=keep, bonus=target[bidx, cur])
+    match = tokens == target.gather(1, parents.clamp(min=0))                   # [B, D]
+    match[:, 0] = True
+    accepted = ~(ancestor & ~match[:, None, :]).any(dim=2)                      # [B, D]
+    depth = ancestor.sum(dim=2) - 1                                             # [B, D]
+    if max_path_len is not None:
+        accepted &= depth < max_path_len[:, None]
+    path_len = accepted.sum(dim=1)                                              # [B]
+    # The accepted node at each depth (node 0, the root, past the path's end).
+    at_depth = accepted[:, None, :] & (depth[:, None, :] == torch.arange(D, device=tokens.device)[None, :, None])
+    path = at_depth.to(torch.int8).argmax(dim=2)                                # [B, D]
+    last = path.gather(1, (path_len - 1)[:, None])                              # [B, 1]
+    return Acceptance(path=path, path_len=path_len, keep=accepted, bonus=target.gather(1, last)[:, 0])

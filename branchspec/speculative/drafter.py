@@ -32,10 +32,10 @@ from typing import Protocol
 
 import torch
 
-from branchspec.cache.paged import PagedState
+from branchspec.cache.paged import BlockTables, PagedState, write_mtp
 from branchspec.config import SpecConfig
-from branchspec.model.attention import LayerScratch, LayerState
-from branchspec.model.metadata import ForwardMeta, chain_meta
+from branchspec.model.attention import LayerState
+from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
 from branchspec.speculative.draft_vocab import DraftVocab
@@ -330,8 +330,8 @@ class MTPDrafter:
         path, now with the target's hidden states (path_hidden [B, D, d], path node i's)
         instead of the drafter's own, and one node further the next root (the bonus token
         [B]), whose output the next round starts from. path_tokens: [B, D] (root first,
-        padded past path_len [B]). The forward and the root's logits are one call of the
-        executor (`extend_forward`)."""
+        padded past path_len [B]). The forward, the path's commit and the root's logits are
+        one call of the executor (`extend_forward`)."""
         B = len(seq_ids)
         dev = path_tokens.device
         rows = torch.arange(B, device=dev)
@@ -342,11 +342,10 @@ class MTPDrafter:
         width = self.executor.extend_width(int(path_len.max()) + 1, num_draft_tokens + 1)
         plan = ExtendPlan(width=width, reduced_vocab=self.vocab_ids is not None)
         inputs = ExtendInputs(tokens=tokens[:, :width], prev=prev[:, :width], num_committed=lengths,
-                              path_len=path_len, committed=self.cache.gather_mtp(seq_ids, lengths))
+                              path_len=path_len, committed=self.cache.gather_mtp(seq_ids, lengths),
+                              tables=self.cache.block_tables(seq_ids, ("mtp",)))
         shared = {"head_rows": self.head_rows} if plan.reduced_vocab else {}
-        out = self.executor.graph(extend_forward, plan, inputs, shared)
-        on_path = out.meta.valid & (torch.arange(width, device=dev)[None] < path_len[:, None])
-        self.cache.commit_mtp(seq_ids, out.meta, out.scratch, on_path)     # the root stays uncommitted
+        out = self.executor.graph(extend_forward, plan, inputs, shared, pools=True)   # commits the path
         last = path_hidden[rows, path_len - 1]                               # [B, d]
         ahead = DraftRoot(k=out.root_k, hidden=out.root_hidden, logits=out.root_logits)
         new_lengths = (lengths + path_len).tolist()
@@ -376,25 +375,27 @@ class ExtendInputs:
     num_committed: torch.Tensor   # [B] L: the drafter's committed length before the extend
     path_len: torch.Tensor        # [B] accepted path nodes (the next root sits at index path_len)
     committed: LayerState         # the drafter's KV for positions < L
+    tables: BlockTables           # the batch's "mtp" block tables (where the path is committed)
 
 
 @dataclass
 class ExtendOutputs:
-    meta: ForwardMeta             # the extend's chain metadata (the commit reads it)
-    scratch: LayerScratch         # the MTP keys of the W nodes
     root_k: torch.Tensor          # [B, 1, d_h] the next root's MTP key
     root_hidden: torch.Tensor     # [B, 1, n*d] its MTP hidden state
     root_logits: torch.Tensor     # [B, N] its drafter logits over the drafted vocabulary
 
 
-def extend_forward(model: Transformer, plan: ExtendPlan, x: ExtendInputs, shared: dict[str, torch.Tensor]
-                   ) -> ExtendOutputs:
-    """The draft extend's MTP forward over the path and the next root, and the root's
-    output (a pure function of tensors: one compiled graph per width on the fast path)."""
+def extend_forward(model: Transformer, plan: ExtendPlan, x: ExtendInputs, shared: dict[str, torch.Tensor],
+                   storage: dict[str, torch.Tensor]) -> ExtendOutputs:
+    """The draft extend's MTP forward over the path and the next root, the path's keys
+    committed into the pools' storage (the root's stay out: the next round drafts from it),
+    and the root's output (a pure function of tensors: one compiled graph per width on the
+    fast path)."""
     meta = chain_meta(x.num_committed, x.path_len + 1, (), max_new=plan.width)
     out = model.mtp_forward(x.tokens, x.prev, meta, x.committed, logits=False)
+    on_path = meta.valid & (torch.arange(plan.width, device=x.tokens.device)[None] < x.path_len[:, None])
+    write_mtp(model.cfg, storage, x.tables, meta, out.scratch[0], on_path)
     at_root = (torch.arange(x.tokens.shape[0], device=x.tokens.device), x.path_len)
     hidden = out.hidden[at_root]                                         # [B, n*d]
     logits = model.mtp_logits(hidden, shared["head_rows"] if plan.reduced_vocab else None)
-    return ExtendOutputs(meta=meta, scratch=out.scratch[0], root_k=out.scratch[0].k[at_root][:, None],
-                         root_hidden=hidden[:, None], root_logits=logits)
+    return ExtendOutputs(root_k=out.scratch[0].k[at_root][:, None], root_hidden=hidden[:, None], root_logits=logits)

@@ -7,7 +7,7 @@
               node of every tree; all it produces stays in scratch,
               nothing is written                                          (executor.verify)
     accept -> walk each tree along the target's own tokens                (accept.accept)
-    commit -> copy only the accepted path's scratch into the pools        (PagedState.commit)
+    commit -> copy only the accepted path's scratch into the pools        (executor.commit)
     extend -> the drafter follows the accepted path, and computes its
               output at the next root for the next round                  (drafter.extend)
 
@@ -66,7 +66,8 @@ class RoundResult:
     # What an adaptive policy learns from, along each accepted path (root first, padded
     # past its end): the drafter's top-k proposals after each path node [B, D, k] (-1: not
     # expanded) and the target's token there [B, D] (the next path token, then the bonus;
-    # -1 past the end).
+    # -1 past the end). None where nothing learns from the round (a fixed EAGLE-2
+    # configuration).
     path_children: torch.Tensor | None = None
     path_targets: torch.Tensor | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -107,7 +108,7 @@ class SpeculativeRound:
         # Each node sits at L + its depth and draws the token one further.
         target = target_tokens(logits, batch.sampling, meta.positions + 1)   # [B, D]
         # A round never commits past a request's token budget (its pages were sized for it).
-        acc = accept(tree.tokens, tree.parents, target, max_path_len=batch.budget + 1)
+        acc = accept(tree.tokens, tree.parents, meta.ancestor, target, max_path_len=batch.budget + 1)
         path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]
         path_len = acc.path_len.tolist()
         budget = batch.budget.tolist()
@@ -117,7 +118,7 @@ class SpeculativeRound:
         logprobs = emitted_logprobs(out.logits, acc.path, emitted, batch.sampling.num_logprobs)
         clock.lap("accept")
 
-        self.cache.commit(ids, meta, out.scratch, acc.keep)
+        self.executor.commit(ids, meta, out.scratch, acc.keep)
         clock.lap("commit")
 
         rows = torch.arange(batch.size, device=L.device)[:, None]
@@ -126,9 +127,11 @@ class SpeculativeRound:
         clock.lap("draft_extend")
 
         # What the round says about acceptance, for the calibrated selection's next trees and
-        # an adaptive policy's next choices alike.
-        children, targets = self._path_observations(tree.children, acc, path_tokens)
-        if children is not None and (learn or spec.selection == "calibrated"):
+        # an adaptive policy's next choices alike (a fixed EAGLE-2 tree or chain needs none).
+        children = targets = None
+        if learn or spec.selection == "calibrated":
+            children, targets = self._path_observations(tree.children, acc, path_tokens)
+        if children is not None:
             D, k = tree.children_logp.shape[1:]
             logp = tree.children_logp.gather(1, acc.path[..., None].expand(batch.size, D, k))
             self.drafter.learn(ids, temperature, children, logp, targets)
