@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from branchspec.cache.paged import read_mtp
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.sampling import sampling_probs
@@ -65,17 +66,18 @@ def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, 
     original = drafter._grow
     rounds = {"reused": 0, "computed": 0}
 
-    def checked(root_ids, prev_hidden, L, committed, spec, root, log_q=None, scale=None):
+    def checked(root_ids, prev_hidden, L, tables, spec, root, log_q=None, scale=None):
         if root is None:
             rounds["computed"] += 1
         else:
             rounds["reused"] += 1
+            committed = read_mtp(drafter.model.cfg, drafter.cache.storage, tables, L)
             own = drafter.executor.drafter(root_ids[:, None], prev_hidden[:, None], chain_meta(L, 1, (), max_new=1),
                                            committed)
             torch.testing.assert_close(root.k, own.scratch[0].k, atol=1e-10, rtol=0)
             torch.testing.assert_close(root.hidden, own.hidden, atol=1e-10, rtol=0)
             torch.testing.assert_close(root.logits, drafter.model.mtp_logits(own.hidden[:, 0]), atol=1e-10, rtol=0)
-        return original(root_ids, prev_hidden, L, committed, spec, root, log_q, scale)
+        return original(root_ids, prev_hidden, L, tables, spec, root, log_q, scale)
 
     monkeypatch.setattr(drafter, "_grow", checked)
     assert [o.token_ids for o in llm.generate(prompts, params, spec=spec)] == plain

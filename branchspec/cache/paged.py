@@ -266,10 +266,8 @@ class PagedState:
         return read_states(self.cfg, self.storage, self.addresses(seq_ids, lengths))
 
     def gather_mtp(self, seq_ids: list[int], lengths: torch.Tensor) -> LayerState:
-        """Drafter KV for positions < lengths (its own committed length)."""
-        lengths = lengths.to(self.device)
-        slots, pos, valid = self._ring_read("mtp", self._table("mtp", seq_ids), lengths, self.cfg.window - 1)
-        return LayerState(raw_k=self._read("mtp", 0, slots), raw_valid=valid, raw_pos=pos)
+        """Drafter KV for positions < lengths (its own committed length; `read_mtp`)."""
+        return read_mtp(self.cfg, self.storage, self.block_tables(seq_ids, ("mtp",)), lengths.to(self.device))
 
     def snapshot(self, seq_id: int, length: int, mtp_length: int | None = None) -> dict[str, torch.Tensor]:
         """The logical persistent state of one sequence with committed length `length`, part
@@ -377,3 +375,16 @@ def write_mtp(cfg: ModelConfig, storage: dict[str, torch.Tensor], tables: BlockT
     kept = keep & (pos >= (meta.num_committed + keep.sum(1))[:, None] - spec.ring)
     slots = flat_slots(spec, tables.page_size, tables.tables["mtp"], pos)
     _put(storage["mtp"], _sunk(storage["mtp"], kept, slots), [scratch.k])
+
+
+def read_mtp(cfg: ModelConfig, storage: dict[str, torch.Tensor], tables: BlockTables, lengths: torch.Tensor
+             ) -> LayerState:
+    """The drafter's committed keys for positions < lengths [B] (the last window - 1 of them,
+    from its "mtp" ring; tables: at least the "mtp" kind's), with their positions and which
+    exist: the same code eagerly and inside a compiled step (a tree's growth, a draft
+    extend), where the read fuses into the attention that uses it."""
+    spec = next(s for s in kind_specs(cfg, tables.page_size) if s.name == "mtp")
+    count = cfg.window - 1
+    pos = lengths[:, None] - count + torch.arange(count, device=lengths.device)     # [B, W-1]
+    slots = flat_slots(spec, tables.page_size, tables.tables["mtp"], pos.clamp(min=0))
+    return LayerState(raw_k=storage["mtp"][0][slots], raw_valid=(pos >= 0)[:, None, :], raw_pos=pos)

@@ -32,9 +32,8 @@ from typing import Protocol
 
 import torch
 
-from branchspec.cache.paged import BlockTables, PagedState, write_mtp
+from branchspec.cache.paged import BlockTables, PagedState, read_mtp, write_mtp
 from branchspec.config import SpecConfig
-from branchspec.model.attention import LayerState
 from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
@@ -286,7 +285,7 @@ class MTPDrafter:
             log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps],
                                                  spec.num_steps, spec.topk)
         scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
-        return self._grow(roots, prev_hidden, lengths, self.cache.gather_mtp(seq_ids, lengths), spec, root, log_q,
+        return self._grow(roots, prev_hidden, lengths, self.cache.block_tables(seq_ids, ("mtp",)), spec, root, log_q,
                           scale)
 
     def learn(self, seq_ids: list[int], temperature: list[float], children: torch.Tensor,
@@ -298,16 +297,18 @@ class MTPDrafter:
                                  children_logp, targets)
 
     def _grow(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
-              committed: LayerState, spec: SpecConfig, root: DraftRoot | None,
+              tables: BlockTables, spec: SpecConfig, root: DraftRoot | None,
               log_q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> DraftTree:
         """root_ids: [B]; prev_hidden: [B, d] target hidden at L-1; num_committed: [B] L;
-        committed: the drafter's KV for positions < L (from the paged pool); root: the
+        tables: the batch's "mtp" block tables (where the drafter's KV for positions < L
+        lies in the paged pool; the growth reads it there); root: the
         drafter's output at the root when already computed (`DraftRoot`), else computed
         here; log_q: the calibrated selection's log calibration factors
         (`AcceptanceModel.log_factors`), None for EAGLE-2; scale: the temperature [B] each
         request's children are valued and learnt at (1: greedy; None: 1 for all). The
         growth itself is one call of the executor (`growth.grow_trees`)."""
         if root is None:   # step 1: the root's MTP slot at position L
+            committed = read_mtp(self.model.cfg, self.cache.storage, tables, num_committed)
             out = self.executor.drafter(root_ids[:, None], prev_hidden[:, None],
                                         chain_meta(num_committed, 1, (), max_new=1), committed)
             root = DraftRoot(k=out.scratch[0].k, hidden=out.hidden, logits=self._logits(out.hidden[:, 0]))
@@ -315,13 +316,13 @@ class MTPDrafter:
                           reduced_vocab=self.vocab_ids is not None)
         device = root_ids.device
         inputs = GrowthInputs(root_ids=root_ids, root_k=root.k, root_hidden=root.hidden, root_logits=root.logits,
-                              num_committed=num_committed, committed=committed,
+                              num_committed=num_committed, tables=tables,
                               log_q=None if log_q is None else log_q.to(device),
                               scale=torch.ones(len(root_ids), device=device) if scale is None else scale.to(device))
         shared = {"prob_edges": self.calibration.edges.to(device)} if plan.calibrated else {}
         if plan.reduced_vocab:
             shared.update(head_rows=self.head_rows, vocab_ids=self.vocab_ids)
-        return self.executor.graph(grow_trees, plan, inputs, shared)
+        return self.executor.graph(grow_trees, plan, inputs, shared, pools=True)
 
     @torch.no_grad()
     def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,
@@ -342,8 +343,7 @@ class MTPDrafter:
         width = self.executor.extend_width(int(path_len.max()) + 1, num_draft_tokens + 1)
         plan = ExtendPlan(width=width, reduced_vocab=self.vocab_ids is not None)
         inputs = ExtendInputs(tokens=tokens[:, :width], prev=prev[:, :width], num_committed=lengths,
-                              path_len=path_len, committed=self.cache.gather_mtp(seq_ids, lengths),
-                              tables=self.cache.block_tables(seq_ids, ("mtp",)))
+                              path_len=path_len, tables=self.cache.block_tables(seq_ids, ("mtp",)))
         shared = {"head_rows": self.head_rows} if plan.reduced_vocab else {}
         out = self.executor.graph(extend_forward, plan, inputs, shared, pools=True)   # commits the path
         last = path_hidden[rows, path_len - 1]                               # [B, d]
@@ -374,8 +374,7 @@ class ExtendInputs:
     prev: torch.Tensor            # [B, W, n*d] the target hidden state before each
     num_committed: torch.Tensor   # [B] L: the drafter's committed length before the extend
     path_len: torch.Tensor        # [B] accepted path nodes (the next root sits at index path_len)
-    committed: LayerState         # the drafter's KV for positions < L
-    tables: BlockTables           # the batch's "mtp" block tables (where the path is committed)
+    tables: BlockTables           # the batch's "mtp" block tables (its KV for positions < L; the path's slots)
 
 
 @dataclass
@@ -387,12 +386,13 @@ class ExtendOutputs:
 
 def extend_forward(model: Transformer, plan: ExtendPlan, x: ExtendInputs, shared: dict[str, torch.Tensor],
                    storage: dict[str, torch.Tensor]) -> ExtendOutputs:
-    """The draft extend's MTP forward over the path and the next root, the path's keys
-    committed into the pools' storage (the root's stay out: the next round drafts from it),
+    """The draft extend's MTP forward over the path and the next root (the drafter's
+    committed KV read from the pools' storage), the path's keys committed there (the root's stay out: the next round drafts from it),
     and the root's output (a pure function of tensors: one compiled graph per width on the
     fast path)."""
     meta = chain_meta(x.num_committed, x.path_len + 1, (), max_new=plan.width)
-    out = model.mtp_forward(x.tokens, x.prev, meta, x.committed, logits=False)
+    committed = read_mtp(model.cfg, storage, x.tables, x.num_committed)
+    out = model.mtp_forward(x.tokens, x.prev, meta, committed, logits=False)
     on_path = meta.valid & (torch.arange(plan.width, device=x.tokens.device)[None] < x.path_len[:, None])
     write_mtp(model.cfg, storage, x.tables, meta, out.scratch[0], on_path)
     at_root = (torch.arange(x.tokens.shape[0], device=x.tokens.device), x.path_len)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from branchspec.cache.paged import BlockTables, read_mtp
 from branchspec.model.attention import LayerState
 from branchspec.model.metadata import build_meta
 from branchspec.model.model import Transformer
@@ -47,7 +48,7 @@ class GrowthInputs:
     root_hidden: torch.Tensor     # [B, 1, n*d] its MTP hidden state
     root_logits: torch.Tensor     # [B, N] its drafter logits
     num_committed: torch.Tensor   # [B] L
-    committed: LayerState         # the drafter's KV for positions < L
+    tables: BlockTables           # the batch's "mtp" block tables (its KV for positions < L)
     # The temperature each request's children are valued (calibrated selection) and learnt
     # (`AcceptanceModel.observe`) at [B] (1: greedy).
     scale: torch.Tensor
@@ -62,9 +63,11 @@ class GrowthInputs:
 SHARED = ("head_rows", "vocab_ids", "prob_edges")
 
 
-def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: dict[str, torch.Tensor]) -> DraftTree:
+def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: dict[str, torch.Tensor],
+               storage: dict[str, torch.Tensor]) -> DraftTree:
     """Grow one tree per request from its root's drafter output (`GrowthInputs`), with
-    the tensors every request shares (`SHARED`; those the plan does not use may be absent).
+    the tensors every request shares (`SHARED`; those the plan does not use may be absent)
+    and the paged state's storage, which it only reads (the drafter's committed KV).
 
     Candidates carry two scores: `cand_score`, the cumulative draft log-probability, and
     `cand_value`, what the selection ranks by (the same score for EAGLE-2; the sum of log q
@@ -106,7 +109,7 @@ def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: di
     frontier = arange_k.expand(B, k)                                # candidate indices
     cand_children = torch.full((B, k, k), -1, dtype=torch.long, device=device)   # [B, C, k]
     cand_children_logp = torch.zeros(B, k, k, device=device)                      # their log-probabilities
-    committed = x.committed
+    committed = read_mtp(model.cfg, storage, x.tables, x.num_committed)   # the drafter's KV, read in the graph
     Wc = committed.raw_k.shape[1]
     eye_k = torch.eye(k, dtype=torch.bool, device=device)
 
