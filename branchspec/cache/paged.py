@@ -146,8 +146,6 @@ class PagedState:
         # changed some table: most steps allocate nothing, and building them from Python
         # lists row by row was a large share of a batch-64 step.
         self._table_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        # model layer -> (kind, index within kind's storage), per kind family
-        self._layer_slot = {(name, l): i for name, s in self.specs.items() for i, l in enumerate(s.layers)}
 
     # -- allocation -----------------------------------------------------------------------
     def add(self, seq_id: int) -> None:
@@ -221,15 +219,7 @@ class PagedState:
 
     def _ring_read(self, kind: str, table: torch.Tensor, lengths: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots of positions L-count .. L-1 -> (slots [B, count], positions [B, count],
-        valid [B, 1, count], the same for every query)."""
-        pos = lengths[:, None] - count + torch.arange(count, device=self.device)
-        valid = (pos >= 0)[:, None, :]                                  # [B, 1, count]
-        return self._slots(kind, table, pos.clamp(min=0)), pos, valid
-
-    def _read(self, kind: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        store = self.storage[kind][self._layer_slot[(kind, layer)]]
-        return store[slots]                                          # [B, X, width]
+        return ring_read(self.specs[kind], self.page_size, table, lengths, count)
 
     # -- gather ---------------------------------------------------------------------------
     def addresses(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> StateAddresses:
@@ -320,6 +310,15 @@ def flat_slots(spec: KindSpec, page_size: int, table: torch.Tensor, index: torch
     return page * page_size + logical % page_size
 
 
+def ring_read(spec: KindSpec, page_size: int, table: torch.Tensor, lengths: torch.Tensor, count: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots of positions L-count .. L-1 of a ring kind -> (slots [B, count], positions
+    [B, count], valid [B, 1, count], the same for every query)."""
+    pos = lengths[:, None] - count + torch.arange(count, device=lengths.device)
+    valid = (pos >= 0)[:, None, :]                                      # [B, 1, count]
+    return flat_slots(spec, page_size, table, pos.clamp(min=0)), pos, valid
+
+
 def _sunk(store: torch.Tensor, written: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Flat slots [M] for the rows [B, X] of `slots`, those not `written` sent to the sink."""
     return torch.where(written, slots, store.shape[1] - 1).reshape(-1)
@@ -384,7 +383,5 @@ def read_mtp(cfg: ModelConfig, storage: dict[str, torch.Tensor], tables: BlockTa
     exist: the same code eagerly and inside a compiled step (a tree's growth, a draft
     extend), where the read fuses into the attention that uses it."""
     spec = next(s for s in kind_specs(cfg, tables.page_size) if s.name == "mtp")
-    count = cfg.window - 1
-    pos = lengths[:, None] - count + torch.arange(count, device=lengths.device)     # [B, W-1]
-    slots = flat_slots(spec, tables.page_size, tables.tables["mtp"], pos.clamp(min=0))
-    return LayerState(raw_k=storage["mtp"][0][slots], raw_valid=(pos >= 0)[:, None, :], raw_pos=pos)
+    slots, pos, valid = ring_read(spec, tables.page_size, tables.tables["mtp"], lengths, cfg.window - 1)
+    return LayerState(raw_k=storage["mtp"][0][slots], raw_valid=valid, raw_pos=pos)

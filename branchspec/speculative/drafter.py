@@ -387,9 +387,9 @@ class ExtendOutputs:
 def extend_forward(model: Transformer, plan: ExtendPlan, x: ExtendInputs, shared: dict[str, torch.Tensor],
                    storage: dict[str, torch.Tensor]) -> ExtendOutputs:
     """The draft extend's MTP forward over the path and the next root (the drafter's
-    committed KV read from the pools' storage), the path's keys committed there (the root's stay out: the next round drafts from it),
-    and the root's output (a pure function of tensors: one compiled graph per width on the
-    fast path)."""
+    committed KV read from the pools' storage), the path's keys committed there (the
+    root's stay out: the next round drafts from it), and the root's output (a pure function
+    of tensors: one compiled graph per width on the fast path)."""
     meta = chain_meta(x.num_committed, x.path_len + 1, (), max_new=plan.width)
     committed = read_mtp(model.cfg, storage, x.tables, x.num_committed)
     out = model.mtp_forward(x.tokens, x.prev, meta, committed, logits=False)
