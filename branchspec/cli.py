@@ -7,13 +7,14 @@ import json
 import sys
 
 from branchspec.cli_paths import readable_folder, writable_folder
-from branchspec.config import AutoPolicy, SamplingParams, SpecConfig
+from branchspec.config import AutoPolicy, SamplingParams, SpecConfig, fast_path_candidates
 from branchspec.speculative.draft_vocab import token_map_arg
 
 
 POLICY_HELP = ("fixed: one configuration for every round (the --speculative-* flags); auto: pick the "
                "configuration, or none, before every round from live acceptance and measured costs "
-               "(SpecConfig.auto; --speculative-num-draft-tokens caps its budget, default 8)")
+               "(SpecConfig.auto; --speculative-num-draft-tokens caps its budget, default 8; with --compile "
+               "it chooses among fast_path_candidates, whose graphs compile in minutes, not hours)")
 
 
 def _spec_from_args(args, parser) -> SpecConfig | AutoPolicy | None:
@@ -25,7 +26,10 @@ def _spec_from_args(args, parser) -> SpecConfig | AutoPolicy | None:
             parser.error(f"--{fixed[0].replace('_', '-')} fixes what --speculative-policy auto chooses; "
                          "drop one of them")
         try:
-            return SpecConfig.auto(max_draft_tokens=args.speculative_num_draft_tokens or 8)
+            top = args.speculative_num_draft_tokens or 8
+            if getattr(args, "compile", False):   # every candidate is compiled before the first request
+                return SpecConfig.auto(fast_path_candidates(top))
+            return SpecConfig.auto(max_draft_tokens=top)
         except ValueError as e:
             parser.error(str(e).replace("SpecConfig.auto.max_draft_tokens", "--speculative-num-draft-tokens"))
     if args.speculative_algorithm.upper() == "NONE":

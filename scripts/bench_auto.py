@@ -1,16 +1,18 @@
 """The adaptive policy against plain decoding, side by side, on the fast path: the
 embedded checkpoint compiled, held-out GSM8K prompts (one per request, cycling), greedy.
 
-At each batch size, plain decoding and `SpecConfig.auto(CANDIDATES)` run in turn
+At each batch size, plain decoding and `SpecConfig.auto(candidates)` run in turn
 --repeats times (after one untimed call of each); the table gives their median tok/s,
 the ratio, and the rounds the policy ran. Every auto run's tokens must equal plain
 decoding's. A compiled engine compiles every candidate's graphs before it can choose
-among them, so by default the policy chooses among a documented subset of the default
-candidates (--candidates default: all of them; on 2 CPU cores that is about 90 graphs
-per batch class, most of an hour cold). Prints a table, then one line of JSON.
+among them, so by default the policy chooses among a compact set (--candidates small:
+`fast_path_candidates(6)`, the D <= 6 part of what `--compile` gives the CLI's auto
+policy; fast: all of `fast_path_candidates()`; default: every default candidate, on 2
+CPU cores about 90 graphs per batch class, most of an hour cold). Prints a table, then
+one line of JSON.
 
     python scripts/bench_auto.py [--batches 16,64] [--repeats 3] [--max-tokens 48] [--eager]
-        [--candidates small|default]
+        [--candidates small|fast|default]
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import time
 import torch
 
 from branchspec import LLM, SamplingParams, SpecConfig
+from branchspec.config import fast_path_candidates
 from branchspec.data.workloads import load_workload
 from branchspec.execution.compiled import compilations
 
-# Plain decoding, two chains (D = 4 and 6) and two calibrated trees at D = 6, a shallow
-# and a deep one: few enough graphs to compile in minutes.
-SMALL = (None, SpecConfig.chain(4), SpecConfig.chain(6), SpecConfig(3, 2, 6, selection="calibrated"),
-         SpecConfig(5, 2, 6, selection="calibrated"))
+# What the policy chooses among (--candidates). small: plain decoding, two chains (D = 4
+# and 6) and two calibrated trees at D = 6, a shallow and a deep one, as measured in
+# docs/fast-path.md.
+CANDIDATES = {"small": fast_path_candidates(6), "fast": fast_path_candidates(), "default": None}
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams, spec) -> tuple[float, list, dict]:
@@ -44,11 +47,11 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--candidates", choices=("small", "default"), default="small")
+    ap.add_argument("--candidates", choices=tuple(CANDIDATES), default="small")
     ap.add_argument("--eager", action="store_true", help="the eager path instead of compiled steps")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    policy = SpecConfig.auto(SMALL if args.candidates == "small" else None)
+    policy = SpecConfig.auto(CANDIDATES[args.candidates])
     llm = LLM(seed=0, max_batch_size=max(batches), compile=not args.eager)
     t0, graphs = time.perf_counter(), compilations()
     sizes = tuple(sorted({min(b, 2) for b in batches}))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates, spec_label
+from branchspec.config import (AutoPolicy, EngineConfig, SamplingParams, SpecConfig, default_candidates,
+                               fast_path_candidates, spec_label)
 from branchspec.llm import LLM
 from branchspec.speculative.policy import BatchView
 from branchspec.speculative.calibration import (GREEDY, HITS, NEW_REQUEST, SAMPLED, TRIES,
@@ -585,6 +586,40 @@ def test_default_candidates():
         default_candidates(1)
     with pytest.raises(ValueError, match="selection"):
         default_candidates(8, "best")
+
+
+def test_fast_path_candidates():
+    """The compact set compiled engines choose among: plain decoding, two chains, and the
+    trees that were fastest compiled, each within the budget cap and valid at its D."""
+    c = fast_path_candidates(8)
+    assert c == (None, SpecConfig.chain(4), SpecConfig.chain(6), SpecConfig(3, 2, 6, selection="calibrated"),
+                 SpecConfig(5, 2, 6, selection="calibrated"), SpecConfig(4, 2, 8, selection="calibrated"))
+    assert SpecConfig(2, 3, 6) in fast_path_candidates(8, "eagle2")
+    for top in range(2, 17):
+        got = fast_path_candidates(top)
+        assert got[0] is None and len(set(got)) == len(got)
+        assert all(s.num_draft_tokens <= top for s in got[1:]) and SpecConfig.chain(min(4, top)) in got
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        fast_path_candidates(1)
+    with pytest.raises(ValueError, match="selection"):
+        fast_path_candidates(8, "best")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_auto_policy_on_the_fast_path_chooses_among_the_compact_set(command):
+    """`--compile --speculative-policy auto` compiles every candidate before it runs, so the
+    CLI gives it `fast_path_candidates` (capped by --speculative-num-draft-tokens); eager
+    runs keep every default candidate."""
+    from branchspec.cli import _spec_from_args, build_parser
+
+    parser = build_parser()
+    head = [command, "prompt"] if command == "generate" else [command]
+    for flags, want in (([], default_candidates(8)), (["--compile"], fast_path_candidates(8)),
+                        (["--compile", "--speculative-num-draft-tokens", "6"], fast_path_candidates(6))):
+        args = parser.parse_args([*head, "--speculative-policy", "auto", *flags])
+        if args.speculative_algorithm is None:      # serve's default: resolved by _serve_spec
+            args.speculative_algorithm = "EAGLE"
+        assert _spec_from_args(args, parser).candidates == want
 
 
 def test_cli_generate_with_the_auto_policy(capsys):

@@ -19,7 +19,7 @@ import torch
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, calibrated_specs_at_budget, shape_label, specs_at_budget
 from branchspec.bench.metrics import FIXED_KINDS, CellResult, measure_cell
-from branchspec.config import SamplingParams, SpecConfig, check_device, spec_label
+from branchspec.config import SamplingParams, SpecConfig, check_device, fast_path_candidates, spec_label
 from branchspec.speculative.draft_vocab import token_map_arg
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
@@ -184,7 +184,10 @@ class StudyConfig:
         return specs
 
     def auto_policy(self):
-        """The adaptive policy the study runs: every default candidate up to the largest D."""
+        """The adaptive policy the study runs: every default candidate up to the largest D;
+        on the fast path the compact set whose graphs compile in minutes."""
+        if self.compile:
+            return SpecConfig.auto(fast_path_candidates(max(self.budgets)))
         return SpecConfig.auto(max_draft_tokens=max(self.budgets))
 
     def group(self) -> list:

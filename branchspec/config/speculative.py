@@ -128,6 +128,37 @@ def default_candidates(max_draft_tokens: int = 8, selection: str = "calibrated")
     return tuple(out)
 
 
+def fast_path_candidates(max_draft_tokens: int = 8, selection: str = "calibrated"
+                         ) -> tuple["SpecConfig | None", ...]:
+    """A compact candidate set for compiled steps (`compile=True`), whose engine compiles
+    every candidate's graphs before it can choose: `default_candidates` (about 45
+    configurations) is about 90 graphs per batch class, most of an hour on two cores, and
+    this set about a dozen. Plain decoding (the fastest there from batch 4 up, in
+    docs/fast-path.md), chains at D = 4 and 6, the 3x2 tree at D = 6 and the 4x2 at D = 8
+    (the fastest at batch 1), and at D = 6 the deep 5x2 a calibrated selection widens
+    where it pays (2x3 for EAGLE-2's selection, which keeps a deep tree's weakest nodes).
+    Under `max_draft_tokens` the D = 6 shapes take that budget (from 4 up) and the D = 8
+    tree is left out below 7."""
+    top = check_int("fast_path_candidates", "max_draft_tokens", max_draft_tokens, minimum=2, maximum=16)
+    if selection not in SpecConfig.SELECTIONS:
+        raise ConfigError(f"fast_path_candidates: selection={selection!r} is not one of {SpecConfig.SELECTIONS}")
+    out: list[SpecConfig | None] = [None]
+    for d in sorted({min(4, top), min(6, top)}):
+        out.append(SpecConfig.chain(d))
+    d6 = min(6, top)
+    trees = [((3, 2), d6), ((d6 - 1, 2) if selection == "calibrated" else (2, 3), d6)] if top >= 4 else []
+    if top >= 7:
+        trees.append(((4, 2), min(8, top)))
+    for (steps, topk), d in trees:
+        try:
+            spec = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=d, selection=selection)
+        except ValueError:      # not a valid shape at this D
+            continue
+        if spec not in out:
+            out.append(spec)
+    return tuple(out)
+
+
 def spec_label(spec: "SpecConfig | AutoPolicy | None") -> str:
     """A short, stable name: ``none``, ``chain D=5``, ``tree 3x2 D=6``, ``auto``."""
     return "none" if spec is None else spec.label
