@@ -136,7 +136,8 @@ def fast_path_candidates(max_draft_tokens: int = 8, selection: str = "calibrated
     this set about a dozen. Plain decoding (the fastest there from batch 4 up, in
     docs/fast-path.md), chains at D = 4 and 6, the 3x2 tree at D = 6 and the 4x2 at D = 8
     (the fastest at batch 1), and at D = 6 the deep 5x2 a calibrated selection widens
-    where it pays (2x3 for EAGLE-2's selection, which keeps a deep tree's weakest nodes).
+    where it pays (2x3 for EAGLE-2's selection, whose default candidates have no deep
+    shape either).
     Under `max_draft_tokens` the D = 6 shapes take that budget (from 4 up) and the D = 8
     tree is left out below 7."""
     top = check_int("fast_path_candidates", "max_draft_tokens", max_draft_tokens, minimum=2, maximum=16)
