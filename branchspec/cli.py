@@ -26,12 +26,13 @@ def _spec_from_args(args, parser) -> SpecConfig | AutoPolicy | None:
             parser.error(f"--{fixed[0].replace('_', '-')} fixes what --speculative-policy auto chooses; "
                          "drop one of them")
         try:
-            top = args.speculative_num_draft_tokens or 8
+            top = 8 if args.speculative_num_draft_tokens is None else args.speculative_num_draft_tokens
             if getattr(args, "compile", False):   # every candidate is compiled before the first request
                 return SpecConfig.auto(fast_path_candidates(top))
             return SpecConfig.auto(max_draft_tokens=top)
         except ValueError as e:
-            parser.error(str(e).replace("SpecConfig.auto.max_draft_tokens", "--speculative-num-draft-tokens"))
+            parser.error(str(e).replace("SpecConfig.auto.max_draft_tokens", "--speculative-num-draft-tokens")
+                         .replace("fast_path_candidates.max_draft_tokens", "--speculative-num-draft-tokens"))
     if args.speculative_algorithm.upper() == "NONE":
         return None
     steps = args.speculative_num_steps if args.speculative_num_steps is not None else 3

@@ -622,6 +622,21 @@ def test_cli_auto_policy_on_the_fast_path_chooses_among_the_compact_set(command)
         assert _spec_from_args(args, parser).candidates == want
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("budget", ["0", "1", "17"])
+def test_cli_auto_policy_refuses_a_bad_budget_naming_the_flag(compiled, budget, capsys):
+    """A budget cap out of range is refused with the flag's name on either path (0 is
+    not taken for "unset")."""
+    from branchspec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "x", "--speculative-policy", "auto", "--speculative-num-draft-tokens", budget,
+              *(["--compile"] if compiled else [])])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--speculative-num-draft-tokens" in err and f"got {budget}" in err
+
+
 def test_cli_generate_with_the_auto_policy(capsys):
     """The embedded model through the CLI: the policy's output equals plain decoding's and
     it says which configurations ran."""
