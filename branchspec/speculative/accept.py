@@ -1,4 +1,4 @@
-"""Acceptance: walk the draft tree along the target's own choices.
+"""Acceptance: the path through the draft tree that the target's own choices take.
 
 At the current node (starting at the root) the target's token is taken: its argmax when
 greedy, a draw from its (temperature, top-p) distribution when sampling. If a child of the

@@ -6,7 +6,7 @@
               metadata.tree_meta), then one target forward over every
               node of every tree; all it produces stays in scratch,
               nothing is written                                          (executor.verify)
-    accept -> walk each tree along the target's own tokens                (accept.accept)
+    accept -> the path of nodes whose tokens are the target's own         (accept.accept)
     commit -> copy only the accepted path's scratch into the pools        (executor.commit)
     extend -> the drafter follows the accepted path, and computes its
               output at the next root for the next round                  (drafter.extend)
