@@ -82,6 +82,24 @@ def test_compiled_greedy_equals_eager_without_recompiling(llms, spec, batch):
     assert fast.engine.cache.tables == {}
 
 
+def test_compiled_mixed_batches_equal_eager(llms):
+    """Greedy rows are accepted and committed inside the compiled verify graph, sampled
+    rows after it, and where any row has logits rules every row after it: batches of
+    each mix give the eager engine's tokens, row for row, on warm graphs."""
+    eager, fast, _ = llms
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=5),
+               SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, top_p=0.9, seed=9)]
+    biased = SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={7: 2.0, 11: -1.5})
+    before = compilations()
+    for params in ([greedy, sampled[0], greedy, sampled[1]], [greedy, biased, sampled[0]]):
+        prompts = PROMPTS[:len(params)]
+        ours = [o.token_ids for o in fast.generate(prompts, params, spec=TREE)]
+        assert ours == [o.token_ids for o in eager.generate(prompts, params, spec=TREE)]
+    assert compilations() == before, "a compiled step recompiled after warm-up"
+    assert fast.engine.cache.tables == {}
+
+
 def test_compile_flag_is_checked():
     from branchspec.config import EngineConfig
 
@@ -96,7 +114,7 @@ def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt, caplog):
 
     eager, _, _ = llms
     folder = Path(os.environ["BRANCHSPEC_CACHE"]) / "compiled"
-    victim = sorted(folder.glob("verify_step-nodes6-batch1-*.bin"))[0]
+    victim = sorted(folder.glob("verify_forward-d6-static-plan-batch1-*.bin"))[0]
     victim.write_bytes(b"not a compiled step")
     before, loaded = compilations(), steps_loaded()
     again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
@@ -104,8 +122,8 @@ def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt, caplog):
         again.warmup(TREE, batch_sizes=(1,))
     assert (compilations() - before, steps_loaded() - loaded) == (1, 3)
     # The one compilation says when it starts and ends (long work shows progress).
-    assert "compiling verify_step for nodes6-batch1" in caplog.text
-    assert "compiled verify_step for nodes6-batch1 in" in caplog.text
+    assert "compiling verify_forward-d6-static for plan-batch1-page4 (" in caplog.text
+    assert "compiled verify_forward-d6-static for plan-batch1-page4 in" in caplog.text
     assert victim.read_bytes() != b"not a compiled step", "the step was saved again"
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     assert ([o.token_ids for o in again.generate(PROMPTS[:2], params)]
@@ -131,20 +149,20 @@ def test_a_compiled_engine_needs_the_dense_expert_dispatch():
 def test_steps_are_keyed_by_every_setting_their_guards_check(ckpt):
     """The thread count, grad mode and default dtype are checked by a compiled step's
     guards: a step saved under other settings must have another name (compiles nothing)."""
-    from branchspec.execution.compiled import CompiledStep, global_state, verify_step
+    from branchspec.execution.compiled import CompiledStep, decode_step, global_state
 
-    step = CompiledStep(random_model(tiny_config(), seed=0), verify_step)
+    step = CompiledStep(random_model(tiny_config(), seed=0), decode_step)
     n = torch.get_num_threads()
-    keys = {step.key("nodes6")}
+    keys = {step.key("nodes1")}
     try:
         torch.set_num_threads(1 if n != 1 else 2)
-        keys.add(step.key("nodes6"))
+        keys.add(step.key("nodes1"))
     finally:
         torch.set_num_threads(n)
     with torch.no_grad():
-        keys.add(step.key("nodes6"))
+        keys.add(step.key("nodes1"))
     assert len(keys) == 3
-    assert step.key("nodes6", global_state()) == step.key("nodes6")
+    assert step.key("nodes1", global_state()) == step.key("nodes1")
 
 
 def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path):

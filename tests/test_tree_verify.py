@@ -196,3 +196,68 @@ def test_accept_finds_the_path_a_walk_finds(data):
         assert acc.path[b, :len(path)].tolist() == path
         assert acc.bonus[b] == bonus
         assert acc.keep[b].nonzero()[:, 0].tolist() == sorted(path)
+
+
+def _greedy_chain(model, cache, seq_id, L, root, n):
+    """The model's own greedy continuation of `root` after L committed tokens, n tokens
+    (root first), on a copy of `cache`: a chain every node of which the argmax accepts."""
+    probe = copy.deepcopy(cache)
+    chain = [root]
+    for i in range(n - 1):
+        logits = feed(model, probe, seq_id, [chain[-1]], L + i, chunk=1)
+        chain.append(int(logits[-1].argmax()))
+    return chain
+
+
+def _storage_diff(a, b) -> float:
+    """Largest difference between two paged states' pools, their sinks (the last slot of
+    every kind, where unkept writes go) left out."""
+    return max((a.storage[k][:, :-1] - b.storage[k][:, :-1]).abs().max().item() for k in a.storage)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(L=st.sampled_from([2, 5, 126, 129]), data=st.data())
+def test_verify_commits_the_greedy_rows_argmax_path_and_nothing_else(tiny64, L, data):
+    """`verify_forward` accepts every row by its argmax and commits the rows marked
+    greedy: such a row's state is then exactly the sequential state of its accepted path
+    (invariant S), and the pools hold nothing else (as if only that path had been
+    committed by `PagedState.commit`). Both rows' trees are a greedy chain with a sibling
+    off its root, so the argmax accepts the whole chain. Negative controls: with neither
+    row marked the state comparison fails, and with both marked the pools differ."""
+    from branchspec.execution.eager import EagerExecutor
+    from branchspec.speculative.verify import verify_trees
+
+    D = 5
+    base = new_cache(tiny64, max_seqs=2)
+    for sid in (0, 1):
+        base.add(sid)
+        feed(tiny64, base, sid, PREFIX[sid * 7:sid * 7 + L], 0, chunk=128)
+        base.reserve(sid, L + D)
+    rows = []
+    for sid in (0, 1):
+        root = data.draw(st.integers(3, 63), label=f"root {sid}")
+        chain = _greedy_chain(tiny64, base, sid, L, root, D - 1)
+        rows.append(chain + [(chain[1] + 1) % 64])                    # a sibling of node 1
+    parents = torch.tensor([[-1, 0, 1, 2, 0]] * 2)
+    tokens = torch.tensor(rows)
+    lengths = torch.tensor([L, L])
+
+    def verified(marked):
+        cache = copy.deepcopy(base)
+        with torch.no_grad():
+            v = verify_trees(EagerExecutor(tiny64, cache), tokens, parents, [0, 1], lengths,
+                             torch.tensor(marked), torch.tensor([D, D]))
+        return cache, v
+
+    cache, v = verified([True, False])
+    assert v.greedy.path_len.tolist() == [D - 1, D - 1]                # the whole chain, not the sibling
+    ref = copy.deepcopy(base)
+    feed(tiny64, ref, 0, rows[0][:D - 1], L, chunk=1)
+    assert_same_state(cache.snapshot(0, L + D - 1), ref.snapshot(0, L + D - 1))
+    only_row0, v0 = verified([False, False])
+    assert max(state_diff(only_row0.snapshot(0, L + D - 1), ref.snapshot(0, L + D - 1)).values()) > 1e-6, \
+        "an uncommitted path went unnoticed"                           # negative control
+    only_row0.commit([0, 1], v0.meta, v0.out.scratch, v0.greedy.keep & torch.tensor([[True], [False]]))
+    assert _storage_diff(cache, only_row0) == 0.0
+    both, _ = verified([True, True])
+    assert _storage_diff(both, only_row0) > 1e-6, "committing the unmarked row went unnoticed"

@@ -19,6 +19,10 @@ class Executor(Protocol):
 
     name: str              # "eager" or "compiled": what a measured cost belongs to
     expert_dispatch: str   # the MoE dispatch the model must be built with
+    # Whether its graphs need shapes that do not follow the data: a tree plan's
+    # completing-node slots sized by their bound (`tree_meta(static=True)`), committed
+    # entries addressed in whole pages (`PagedState.addresses(whole_pages=True)`).
+    static_shapes: bool
     model: Transformer
     cache: PagedState
 
@@ -26,9 +30,6 @@ class Executor(Protocol):
 
     def prefill(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
                 lengths: torch.Tensor) -> ForwardOutput: ...
-
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
-               ) -> tuple[ForwardOutput, ForwardMeta]: ...
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput: ...
 

@@ -9,7 +9,7 @@ drafter's extend is padded to D + 1 nodes, completing-node slots are sized by th
 slot counts, the drafter's node count) are marked dynamic and every other size is a
 constant, so a growing context or a different accept length reuses the same graphs: a
 speculative configuration needs four at batch 1 and four more for any larger batch (the
-verify pass at D nodes; the drafter at 1 node; its whole growth; its draft extend), plain
+verify pass at D nodes, which accepts and commits its greedy rows too; the drafter at 1 node; its whole growth; its draft extend), plain
 decoding one each (the target at 1 node). Each step is one graph with no breaks
 (`fullgraph`), and the target's steps read their committed state from the pools inside
 the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay eager.
@@ -32,7 +32,7 @@ from branchspec.disk_cache import cache_dir
 from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
 from branchspec.model.layers import build_stacked
-from branchspec.model.metadata import ForwardMeta, chain_meta, tree_meta
+from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
 
 
@@ -131,12 +131,12 @@ def mark_varying_sizes(args: tuple, drafter: bool, batch: bool = True) -> None:
         if isinstance(arg, Pools):        # the pools' slot counts follow the engine's limits
             for t in arg.storage.values():
                 mark(t, 1)
-        if isinstance(arg, StateAddresses):
-            for kind, t in arg.slots.items():
-                if kind.startswith(("ent", "ikey")):
-                    mark(t, 1)
-            for t in arg.entries_valid.values():
+    for addr in _found(args, StateAddresses):
+        for kind, t in addr.slots.items():
+            if kind.startswith(("ent", "ikey")):
                 mark(t, 1)
+        for t in addr.entries_valid.values():
+            mark(t, 1)
     for tables in _found(args, BlockTables):
         for kind, t in tables.tables.items():
             if kind.startswith(("ent", "ikey")):
@@ -175,22 +175,14 @@ def _example(args: tuple) -> tuple:
                  for a in args)
 
 
-def verify_step(model: Transformer, input_ids: torch.Tensor, parents: torch.Tensor, num_committed: torch.Tensor,
-                pools: Pools, addr: StateAddresses):
-    """The target's verify pass as a plain function of the model (what gets compiled: the
-    model is an input, so one compiled step serves any weights of the same
-    configuration) over draft trees input_ids, parents [B, D]. It builds the trees' plan
-    in its graph (`tree_meta`, about 0.4 ms of eager ops at batch 1) and reads its
-    committed state from the pools there, where the reads fuse into the kernels that
-    consume them instead of being copied out first: (ForwardOutput, ForwardMeta)."""
-    meta = tree_meta(parents, num_committed, model.cfg.compressed_kinds, static=True)
-    return model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr)), meta
-
-
 def decode_step(model: Transformer, input_ids: torch.Tensor, num_committed: torch.Tensor, pools: Pools,
                 addr: StateAddresses, tables: BlockTables) -> ForwardOutput:
-    """Plain decoding's step, likewise, one node per sequence (input_ids [B, 1]) after
-    num_committed [B] tokens, committed in the same graph: its metadata is a function of
+    """Plain decoding's step as a plain function of the model (what gets compiled: the
+    model is an input, so one compiled step serves any weights of the same configuration),
+    one node per sequence (input_ids [B, 1]) after num_committed [B] tokens, reading its
+    committed state from the pools in its graph (where the reads fuse into the kernels
+    that consume them instead of being copied out first) and committed in the same graph:
+    its metadata is a function of
     the committed lengths alone (about 0.3 ms of eager ops a step at batch 1, built here),
     and its one node per sequence is always kept, so the graph writes its state into the
     pools (`write_nodes`; about 0.4 ms of eager ops). Returns the output, scratch dropped."""
@@ -476,10 +468,10 @@ def tracing_settings():
     return fx_config.patch(use_duck_shape=False)
 
 
-def compile_steps(model: Transformer) -> tuple["CompiledStep", "CompiledStep", "CompiledStep"]:
-    """(verify pass, plain decode step, MTP forward), compiled (see `CompiledStep`)."""
-    return (CompiledStep(model, verify_step), CompiledStep(model, decode_step),
-            CompiledStep(model, drafter_step, drafter=True))
+def compile_steps(model: Transformer) -> tuple["CompiledStep", "CompiledStep"]:
+    """(plain decode step, MTP forward), compiled (see `CompiledStep`); whole functions
+    (a tree's growth, the verify pass) get theirs per plan (`CompiledExecutor.graph`)."""
+    return CompiledStep(model, decode_step), CompiledStep(model, drafter_step, drafter=True)
 
 
 def compilations() -> int:
@@ -496,24 +488,28 @@ def steps_loaded() -> int:
 
 
 class CompiledExecutor(EagerExecutor):
-    """The fast path: decode, verify and the drafter's round forwards run as compiled
-    steps (`CompiledStep`) in a few stable shapes; prefill chunks, whose lengths vary,
-    run eagerly (`EagerExecutor.prefill`).
+    """The fast path: decode, the drafter's round forwards and whole functions of tensors
+    (a tree's growth, the verify pass, the draft extend: `graph`) run as compiled steps
+    (`CompiledStep`) in a few stable shapes; prefill chunks, whose lengths vary, run
+    eagerly (`EagerExecutor.prefill`).
 
-    What the fixed shapes need is decided here and nowhere else: completing-node slots
-    sized by their bound (`tree_meta(static=True)`), committed entries read in whole
-    pages, a draft extend always `bound` nodes wide, and the drafter's visibility given per
-    node so that a tree's frontier and a draft extend share one graph. The model must be
-    built with the dense expert dispatch (no shape may follow the routing).
+    What the fixed shapes need is decided here and nowhere else (`static_shapes`, read
+    by the plans it runs): completing-node slots sized by their bound
+    (`tree_meta(static=True)`), committed entries read in whole pages, a draft extend
+    always `bound` nodes wide, and the drafter's visibility given per node so that a
+    tree's frontier and a draft extend share one graph. The model must be built with the
+    dense expert dispatch (no shape may follow the routing).
 
-    A plain decode step and a draft extend commit inside their graphs. A verify pass's
-    commit (after accepting, outside any graph) runs eagerly, as on the eager path: as a
-    graph of its own it took as long as the eager writes (0.6-0.7 ms a round at batch 1
-    either way, most of it the call's argument handling and guards).
+    A plain decode step, a draft extend and a verify pass's greedy rows commit inside
+    their graphs. The commit of a verify pass's other rows (sampled, after their tokens
+    are drawn outside any graph) runs eagerly, as on the eager path: as a graph of its own
+    it took as long as the eager writes (0.6-0.7 ms a round at batch 1 either way, most of
+    it the call's argument handling and guards).
     """
 
     name = "compiled"
     expert_dispatch = "dense"
+    static_shapes = True
 
     def __init__(self, model: Transformer, cache, steps: tuple["CompiledStep", ...] | None = None,
                  graphs: dict | None = None):
@@ -526,7 +522,7 @@ class CompiledExecutor(EagerExecutor):
             build_stacked(model)     # the compiled steps read the stacked projections built now
             steps = compile_steps(model)
         self.steps = steps
-        self._verify, self._decode, self._drafter = steps
+        self._decode, self._drafter = steps
         # (fn, plan) -> its compiled step (`graph`), shared with `over`'s executors
         self.graphs: dict = {} if graphs is None else graphs
 
@@ -540,12 +536,6 @@ class CompiledExecutor(EagerExecutor):
         if pools:
             return step(batched, Shared(shared), Pools(self.cache.storage))
         return step(batched, Shared(shared))
-
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
-               ) -> tuple[ForwardOutput, ForwardMeta]:
-        # The step builds the plan and reads the committed state from the pools in its graph.
-        return self._verify(tokens, parents, lengths, Pools(self.cache.storage),
-                            self.cache.addresses(seq_ids, lengths, whole_pages=True))
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
         # The step builds its metadata and commits in its graph.

@@ -6,7 +6,7 @@ import torch
 
 from branchspec.cache.paged import PagedState
 from branchspec.model.attention import LayerScratch, LayerState
-from branchspec.model.metadata import ForwardMeta, chain_meta, tree_meta
+from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
 
 
@@ -16,14 +16,17 @@ class EagerExecutor:
     vary from call to call; this is the ground truth the compiled path is tested against.
 
     The forwards (see `execution.Executor`): `prefill` and `drafter_prefill` over chunks of
-    any length; `decode` (one node per sequence) and `verify` (D nodes of draft trees),
-    each building its own metadata; `drafter` (the MTP block at a round's root or over a
-    draft extend); `graph`, a whole function of tensors (a draft tree's growth).
+    any length; `decode` (one node per sequence), building its own metadata; `drafter`
+    (the MTP block at a round's root or over a draft extend); `graph`, a whole function of
+    tensors (a draft tree's growth, the verify pass over draft trees).
     """
 
     name = "eager"
     # MoE models: the dispatch the model must be built with (`Transformer.expert_dispatch`).
     expert_dispatch = "grouped"
+    # Shapes may follow the data: a plan's completing-node slots by the trees, committed
+    # entries as many as there are.
+    static_shapes = False
 
     def __init__(self, model: Transformer, cache: PagedState):
         self.model, self.cache = model, cache
@@ -39,14 +42,6 @@ class EagerExecutor:
         """input_ids [B, N] on top of each sequence's lengths [B] committed tokens."""
         return self.model(input_ids, meta, self.cache.gather(seq_ids, lengths))
 
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor
-               ) -> tuple[ForwardOutput, ForwardMeta]:
-        """A verify pass over draft trees tokens, parents [B, D] on top of lengths [B]
-        committed tokens; returns the output and the trees' plan (`metadata.tree_meta`),
-        which accepting and committing read."""
-        meta = tree_meta(parents, lengths, self.kinds)
-        return self.prefill(tokens, meta, seq_ids, lengths), meta
-
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
         """One plain decode step: roots [B, 1] at positions lengths [B], fed through the
         target and committed (its pages reserved first)."""
@@ -57,7 +52,7 @@ class EagerExecutor:
 
     def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch], keep: torch.Tensor) -> None:
         """Write the scratch of a verify pass's kept nodes (keep: [B, D], the accepted
-        paths) into the pools (`PagedState.commit`)."""
+        paths of the rows it did not commit itself) into the pools (`PagedState.commit`)."""
         self.cache.commit(seq_ids, meta, scratch, keep)
 
     # -- drafter ------------------------------------------------------------------------

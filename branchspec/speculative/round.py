@@ -4,8 +4,8 @@
     verify -> the trees become attention metadata (positions, ancestors, and
               where each completing node's pooled rows come from:
               metadata.tree_meta), then one target forward over every
-              node of every tree; all it produces stays in scratch,
-              nothing is written                                          (executor.verify)
+              node of every tree, all it produces in scratch; for the
+              greedy requests also accept and commit, in the same call    (verify.verify_trees)
     accept -> the path of nodes whose tokens are the target's own         (accept.accept)
     commit -> copy only the accepted path's scratch into the pools        (executor.commit)
     extend -> the drafter follows the accepted path, and computes its
@@ -29,8 +29,9 @@ from branchspec.execution import Executor
 from branchspec.execution.timing import PhaseClock
 from branchspec.logits_process import NodePaths, process_logits
 from branchspec.sampling import SamplingBatch, emitted_logprobs, target_tokens
-from branchspec.speculative.accept import accept
+from branchspec.speculative.accept import Acceptance, accept
 from branchspec.speculative.drafter import Drafter
+from branchspec.speculative.verify import verify_trees
 
 ROUND_PHASES = ("draft", "verify", "accept", "commit", "draft_extend")
 
@@ -99,16 +100,17 @@ class SpeculativeRound:
         tree = self.drafter.propose(ids, L, batch.roots, spec, temperature)  # tokens, parents: [B, D]
         clock.lap("draft")
 
-        out, meta = self.executor.verify(tree.tokens, tree.parents, ids, L)  # logits [B, D, V]
+        # Greedy rows without logits rules are accepted and committed inside the verify call.
+        greedy = (batch.sampling.temperature == 0) & (batch.sampling.rules is None)    # [B]
+        all_greedy = bool(greedy.all())
+        greedy = greedy.to(L.device)
+        max_path_len = batch.budget + 1     # a round never commits past a request's token budget
+        verified = verify_trees(self.executor, tree.tokens, tree.parents, ids, L, greedy, max_path_len)
+        out, meta, acc = verified.out, verified.meta, verified.greedy                # logits [B, D, V]
         clock.lap("verify")
 
-        # Each node's own rules (bias, min_tokens, penalties) see only its own prefix: the
-        # committed output and its path in the tree. Logprobs stay the raw logits'.
-        logits = process_logits(out.logits, batch.sampling.rules, NodePaths.tree(tree.tokens, meta.ancestor))
-        # Each node sits at L + its depth and draws the token one further.
-        target = target_tokens(logits, batch.sampling, meta.positions + 1)   # [B, D]
-        # A round never commits past a request's token budget (its pages were sized for it).
-        acc = accept(tree.tokens, tree.parents, meta.ancestor, target, max_path_len=batch.budget + 1)
+        if not all_greedy:
+            acc = self._accept_drawn(batch, tree, out, meta, greedy, acc, max_path_len)
         path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]
         path_len = acc.path_len.tolist()
         budget = batch.budget.tolist()
@@ -118,7 +120,8 @@ class SpeculativeRound:
         logprobs = emitted_logprobs(out.logits, acc.path, emitted, batch.sampling.num_logprobs)
         clock.lap("accept")
 
-        self.executor.commit(ids, meta, out.scratch, acc.keep)
+        if not all_greedy:
+            self.executor.commit(ids, meta, out.scratch, acc.keep & ~greedy[:, None])
         clock.lap("commit")
 
         rows = torch.arange(batch.size, device=L.device)[:, None]
@@ -138,6 +141,24 @@ class SpeculativeRound:
         return RoundResult(spec=spec, emitted=emitted, path_len=path_len, logprobs=logprobs,
                            path_children=children, path_targets=targets, phase_seconds=clock.seconds,
                            seconds=time.perf_counter() - t0 - catch_up, catch_up_seconds=catch_up)
+
+    @staticmethod
+    def _accept_drawn(batch: RoundBatch, tree, out, meta, greedy: torch.Tensor, by_argmax: Acceptance,
+                      max_path_len: torch.Tensor) -> Acceptance:
+        """The accepted paths where the verify call did not accept them (sampled rows, rows
+        with logits rules): the target's token at every node drawn from its processed
+        logits, and the path they take; the greedy rows keep the path the call committed."""
+        # Each node's own rules (bias, min_tokens, penalties) see only its own prefix: the
+        # committed output and its path in the tree. Logprobs stay the raw logits'.
+        logits = process_logits(out.logits, batch.sampling.rules, NodePaths.tree(tree.tokens, meta.ancestor))
+        # Each node sits at L + its depth and draws the token one further.
+        target = target_tokens(logits, batch.sampling, meta.positions + 1)   # [B, D]
+        drawn = accept(tree.tokens, tree.parents, meta.ancestor, target, max_path_len=max_path_len)
+        rows = greedy[:, None]
+        return Acceptance(path=torch.where(rows, by_argmax.path, drawn.path),
+                          path_len=torch.where(greedy, by_argmax.path_len, drawn.path_len),
+                          keep=torch.where(rows, by_argmax.keep, drawn.keep),
+                          bonus=torch.where(greedy, by_argmax.bonus, drawn.bonus))
 
     @staticmethod
     def _path_observations(children: torch.Tensor | None, acc, path_tokens: torch.Tensor

@@ -358,9 +358,10 @@ class _Calls:
 
     def of(self, name: str, n: int):
         """The plain decode step (n = 1) or a verify pass over a chain-shaped tree of n
-        nodes; a draft extend of n nodes (a path of n - 1 and the next root); a catch-up
+        nodes (`verify.verify_trees`); a draft extend of n nodes (a path of n - 1 and the next root); a catch-up
         chunk of n positions."""
         from branchspec.model.metadata import chain_meta
+        from branchspec.speculative.verify import verify_trees
 
         ex, ids, L = self.ex, self.ids, self.L
         new = self._tokens(n)
@@ -369,7 +370,11 @@ class _Calls:
             if n == 1:
                 return lambda: ex.decode(new, ids, L)
             parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
-            return lambda: ex.verify(new, parents, ids, L)
+            # As a round's verify runs, its greedy commit included (written to the sink here:
+            # the private state stays as it is).
+            greedy = torch.zeros(B, dtype=torch.bool, device=new.device)
+            most = torch.full((B,), n, device=new.device)
+            return lambda: verify_trees(ex, new, parents, ids, L, greedy, most)
         if name == "extend":
             return self._extend(n - 1)
         prev = self.hidden.expand(B, n, self.hidden.shape[-1])
