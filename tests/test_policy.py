@@ -775,3 +775,21 @@ def test_round_costs_are_kept_per_execution_path(trained_ckpt):
     eager, compiled = EagerExecutor(model, cache), CompiledExecutor(model, cache)   # compiles nothing yet
     assert calibration_key(eager, 4, tokens) != calibration_key(compiled, 4, tokens)
     assert calibration_key(eager, 4, tokens) == calibration_key(EagerExecutor(model, cache), 4, tokens)
+
+
+def test_round_costs_are_kept_per_source(trained_ckpt, monkeypatch):
+    """A calibration times this code's calls: other source (what compiled steps are keyed
+    by too) gets a calibration of its own."""
+    from branchspec import disk_cache
+    from branchspec.cache.paged import PagedState
+    from branchspec.checkpoint import load_checkpoint
+    from branchspec.execution.eager import EagerExecutor
+    from branchspec.speculative.policy import costs
+
+    model = load_checkpoint(trained_ckpt, "float32")
+    executor = EagerExecutor(model, PagedState(model.cfg, max_seqs=1, max_len=256))
+    tokens = grid_tokens(SpecConfig.auto().candidates)
+    here = costs.calibration_key(executor, 4, tokens)
+    assert here == costs.calibration_key(executor, 4, tokens)
+    monkeypatch.setattr(costs, "source_digest", lambda: "other" + disk_cache.source_digest())
+    assert costs.calibration_key(executor, 4, tokens) != here

@@ -28,7 +28,7 @@ import torch
 import torch._dynamo
 
 from branchspec.cache.paged import BlockTables, StateAddresses, read_states, write_nodes
-from branchspec.disk_cache import cache_dir
+from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
 from branchspec.model.layers import build_stacked
@@ -271,25 +271,6 @@ def report_progress() -> None:
         log.propagate = False
 
 
-def _source_digest() -> str:
-    """What a compiled step was built from: the model and config code, the speculative
-    code a whole-function step runs (`plan_step`: a draft tree's growth), the paged
-    state's reads and this file."""
-    import hashlib
-    from pathlib import Path
-
-    import branchspec.cache.paged as paged
-    import branchspec.config as config
-    import branchspec.model as model_pkg
-
-    h = hashlib.sha256()
-    packages = [Path(model_pkg.__file__).parent, Path(config.__file__).parent,
-                Path(model_pkg.__file__).parent.parent / "speculative"]
-    for path in [p for pkg in packages for p in sorted(pkg.glob("*.py"))] + [Path(paged.__file__), Path(__file__)]:
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 class CompiledStep:
     """One compiled step (the target's or the drafter's forward), called on canonical inputs.
 
@@ -342,7 +323,7 @@ class CompiledStep:
         w = self.model.embed.weight
         # The device with its index: a step guards on its tensors' devices (cuda:0 is not cuda:1).
         blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": str(w.device),
-                           "step": self.fn.__name__, "shape": shape_class, "source": _source_digest(),
+                           "step": self.fn.__name__, "shape": shape_class, "source": source_digest(),
                            "inductor": self._inductor_options(),
                            "global_state": state if state is not None else global_state(),
                            "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from branchspec.config import SpecConfig, spec_label
-from branchspec.disk_cache import cache_dir
+from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.speculative.policy.tuning import TUNING, Tuning
 
 # The calls a round makes, each timed on its own grid: "target" the plain decode step (1
@@ -402,7 +402,8 @@ class _Calls:
 
 def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
     """What a calibration depends on: the model's shape and dtype, the execution path, the
-    grids, the drafted vocabulary, the machine and its thread count, and the torch build."""
+    grids, the drafted vocabulary, the machine and its thread count, the torch build, and
+    the code whose calls it times (`source_digest`)."""
     model = executor.model
     cpu = platform.processor() or platform.machine()
     try:
@@ -416,7 +417,7 @@ def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], voc
                        "device": str(model.embed.weight.device), "execution": executor.name,
                        "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
                        "draft_vocab": vocab_size, "threads": torch.get_num_threads(), "cpu": cpu,
-                       "torch": torch.__version__}, sort_keys=True)
+                       "torch": torch.__version__, "source": source_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
