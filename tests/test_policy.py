@@ -452,10 +452,12 @@ def test_cost_model_learns_a_measured_round_overhead():
         costs.observe(chain, 8, before + 0.004)
     assert costs.round_seconds(chain, 8) == pytest.approx(before + 0.004, rel=0.01)
     # A speculative candidate not run yet at this batch takes the least overhead seen for
-    # its kind; plain rounds and other batch sizes are untouched.
+    # its kind; plain rounds are untouched, and at another batch size, with nothing of its
+    # kind measured there, a speculative candidate is priced under the load its rounds
+    # measured (see the next test).
     assert costs.round_seconds(tree, 8) == pytest.approx(costs.predict(tree, 8) + 0.004, rel=0.01)
     assert costs.round_seconds(None, 8) == pytest.approx(costs.predict(None, 8))
-    assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64))
+    assert costs.round_seconds(chain, 64) == pytest.approx(costs.predict(chain, 64) * (before + 0.004) / before)
     both = costs.round_seconds_of((chain, tree, None), 8)
     assert both.tolist() == [costs.round_seconds(s, 8) for s in (chain, tree, None)]
     # A candidate's first round pays one-time costs and is not counted; after it, the
@@ -465,6 +467,44 @@ def test_cost_model_learns_a_measured_round_overhead():
     for extra in (0.010, 0.011, 0.060, 0.012):
         costs.observe(tree, 8, costs.predict(tree, 8) + extra)
     assert costs.round_seconds(tree, 8) == pytest.approx(costs.predict(tree, 8) + 0.0115, rel=0.01)
+
+
+def test_round_costs_follow_the_load_of_the_machine():
+    """The grids are timed on idle cores; on a loaded server every call runs slower. A
+    speculative candidate with nothing of its kind measured at a batch size is priced
+    under the load the running rounds measure, not at idle speed (at idle prices an untried
+    chain once looked three times cheaper than plain decoding measured under the load, and
+    lost to it); so is a drafter catch-up. Plain decoding, never measured, keeps its idle
+    price: erring high on it would pick speculation where it loses."""
+    chain = SpecConfig.chain(4)
+    costs = flat_costs(10.0, 1.0)
+    assert costs.load() == 1.0
+    for _ in range(10):
+        costs.observe(None, 8, 3.0 * costs.predict(None, 8))
+    assert costs.load() == pytest.approx(3.0)
+    assert costs.round_seconds(None, 8) == pytest.approx(3.0 * costs.predict(None, 8))
+    assert costs.round_seconds(chain, 8) == pytest.approx(3.0 * costs.predict(chain, 8))
+    assert costs.round_seconds(chain, 2) == pytest.approx(3.0 * costs.predict(chain, 2))
+    assert costs.round_seconds(None, 2) == pytest.approx(costs.predict(None, 2))
+    idle = flat_costs(10.0, 1.0)
+    assert costs.catch_up_seconds(8, 64) == pytest.approx(3.0 * idle.catch_up_seconds(8, 64))
+    # The load is recent: when it eases, the untried chain's price follows.
+    for _ in range(10):
+        costs.observe(None, 8, 1.2 * costs.predict(None, 8))
+    assert costs.load() == pytest.approx(1.2)
+    assert costs.round_seconds(chain, 8) == pytest.approx(1.2 * costs.predict(chain, 8))
+    # What the load changes: plain decoding measured under it against an untried chain
+    # emitting 1.2 tokens a round for 1.3 plain steps' time. At idle prices the chain wins;
+    # under the load, which makes it cost 3.9 plain idle steps, plain decoding.
+    loaded = AdaptivePolicy(AutoPolicy(candidates=(None, chain)), flat_costs(10.0, 1.0))
+    loaded.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 1.2)
+    for _ in range(10):
+        loaded.costs.observe(None, 8, 3.0 * loaded.costs.predict(None, 8))
+    assert choose(loaded, list(range(8))) is None
+    loaded.costs._recent.clear()               # negative control: the load forgotten
+    loaded.costs._load = None
+    loaded._last_batch = None
+    assert choose(loaded, list(range(8))) == chain
 
 
 def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():

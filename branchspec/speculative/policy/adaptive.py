@@ -25,8 +25,9 @@ and runs the argmax. Both factors are measured, not assumed:
   (batch, tokens or growth, committed context), measured once on this machine at start-up,
   through the execution path the engine runs (eager or compiled), and cached on disk,
   then summed per candidate (drafting + verify + draft extend, or one decode step) at the
-  batch's mean context, plus each candidate's per-round overhead learned online from its
-  measured round times.
+  batch's mean context, and scaled by two factors learnt online from measured round
+  times: the machine's present load, common to every candidate (a loaded server runs
+  every call slower than the idle grids), and each candidate's own overhead.
 * **Margins**: the choice is the largest of many noisy estimates, so it is biased high.
   Speculation must look `plain_margin` better than plain decoding, a new best must beat
   the standing choice by `switch_margin`, and a switch between plain decoding and

@@ -74,6 +74,14 @@ class CostModel:
     overheads (measured - predicted round time: plan, accept, commit, sampling, Python),
     and adds their median: the per-round cost the grid does not see, learned as rounds
     run, robust to a round slowed by something else.
+
+    And it follows the machine's present **load**: the median over the last
+    `load_history` rounds, whatever ran, of measured / predicted time. The grids are timed
+    on idle cores; a server whose cores its HTTP side and its clients share runs every
+    call two to four times slower (docs/fast-path.md). A candidate with nothing of its kind
+    measured at a batch bucket is priced under that load, not at idle speed: at idle
+    prices an untried chain once looked three times cheaper than plain decoding measured
+    under the load, and lost to it.
     """
 
     def __init__(self, batches: tuple[int, ...], grids: dict[str, tuple[tuple[int, ...], np.ndarray]],
@@ -93,10 +101,12 @@ class CostModel:
                                  f"{tokens} and {seconds.shape}")
             self.grids[name] = (tokens, seconds)
         self.overheads: dict[tuple[str, int], deque[float]] = {}
+        self._recent: deque[float] = deque(maxlen=tuning.load_history)    # measured / predicted
+        self._load: float | None = None
         self._predicted: dict[tuple[SpecConfig | None, int, int], float] = {}
         self._rows: dict[tuple[str, int, int], np.ndarray] = {}
         self._settled: dict[tuple[str, int], float] = {}
-        self._least_seen: dict[tuple[bool, int], float] = {}
+        self._least_seen: dict[tuple[bool, int], float | None] = {}
         self._warm: set[tuple[str, int]] = set()
 
     @classmethod
@@ -177,36 +187,49 @@ class CostModel:
         return float(self._row("draft", batch, context)[keys.index(key)])
 
     def catch_up_seconds(self, batch: int, lag: int, context: float | None = None) -> float:
-        """One drafter pass over `lag` positions per request: the price of speculating
-        after rounds (or a prefill) the drafter did not follow."""
-        return self._at("catch_up", batch, lag, self._context(context)) if lag > 0 else 0.0
+        """One drafter pass over `lag` positions per request, under the present load: the
+        price of speculating after rounds (or a prefill) the drafter did not follow."""
+        return self._at("catch_up", batch, lag, self._context(context)) * self.load() if lag > 0 else 0.0
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, (batch - 1).bit_length())
+
+    def load(self) -> float:
+        """How much slower than the grids the machine runs now: the median of measured /
+        predicted time over the last counted rounds, whatever ran (1 before any)."""
+        if self._load is None:
+            self._load = statistics.median(self._recent) if self._recent else 1.0
+        return self._load
 
     def round_seconds(self, spec: SpecConfig | None, batch: int, context: float | None = None) -> float:
         """Predicted forward seconds plus the round's overhead beyond them, as measured for
         this candidate at this batch bucket. A candidate's first round is not counted (it
         pays one-time costs: allocation, metadata for a new shape), and until it has one
         counted round it is given the least overhead measured for its kind (speculative or
-        plain), so it gets tried rather than inheriting another shape's overhead."""
+        plain), so it gets tried rather than inheriting another shape's overhead. With none
+        of its kind measured at this bucket, a speculative candidate is priced under the
+        present `load`; plain decoding at its idle price, since erring high on plain
+        decoding's cost would pick speculation where it loses."""
         return float(self.round_seconds_of((spec,), batch, context)[0])
 
     def round_seconds_of(self, specs: tuple[SpecConfig | None, ...], batch: int,
                          context: float | None = None) -> np.ndarray:
         """`round_seconds` of several candidates: [len(specs)]."""
         bucket = self.bucket(batch)
-        least: dict[bool, float] = {}
+        least: dict[bool, float | None] = {}
         out = np.empty(len(specs))
         for i, spec in enumerate(specs):
+            predicted = self.predict(spec, batch, context)
             extra = self.overhead((_label(spec), bucket))
             if extra is None:
                 speculative = spec is not None
                 if speculative not in least:
                     least[speculative] = self._least(speculative, bucket)
                 extra = least[speculative]
-            out[i] = self.predict(spec, batch, context) + extra
+                if extra is None:
+                    extra = (self.load() - 1.0) * predicted if speculative else 0.0
+            out[i] = predicted + extra
         return out
 
     def overhead(self, key: tuple[str, int]) -> float | None:
@@ -223,17 +246,17 @@ class CostModel:
                 self._settled[key] = statistics.median(seen)
         return self._settled[key]
 
-    def _least(self, speculative: bool, bucket: int) -> float:
+    def _least(self, speculative: bool, bucket: int) -> float | None:
         if (speculative, bucket) not in self._least_seen:
             seen = [v for key in self.overheads
                     if key[1] == bucket and (key[0] != "none") == speculative
                     and (v := self.overhead(key)) is not None]
-            self._least_seen[(speculative, bucket)] = min(seen, default=0.0)
+            self._least_seen[(speculative, bucket)] = min(seen, default=None)
         return self._least_seen[(speculative, bucket)]
 
     def observe(self, spec: SpecConfig | None, batch: int, seconds: float, context: float | None = None) -> None:
         """A measured round over `context` committed tokens on average: its overhead beyond
-        the predicted forwards joins its history."""
+        the predicted forwards joins its history, its measured / predicted time the load."""
         key = (_label(spec), self.bucket(batch))
         if key not in self._warm:          # its first round: one-time costs, not counted
             self._warm.add(key)
@@ -242,6 +265,8 @@ class CostModel:
         history = self.overheads.setdefault(key, deque(maxlen=self.tuning.overhead_history))
         t = self.tuning
         history.append(min(max(seconds - predicted, t.overhead_low * predicted), t.overhead_high * predicted))
+        self._recent.append(1.0 + history[-1] / predicted)
+        self._load = None
         self._settled.pop(key, None)
         self._least_seen.pop((spec is not None, key[1]), None)
 

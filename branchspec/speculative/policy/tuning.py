@@ -61,6 +61,11 @@ class Tuning:
     # slowed by something else cannot swing a candidate's price.
     overhead_low: float = -0.5
     overhead_high: float = 3.0
+    # The load (how much slower than at calibration the machine runs now, which prices a
+    # candidate with nothing of its kind measured at a batch size) is the median of
+    # measured / predicted over this many recent rounds of any candidate: fewer follows a
+    # server's load sooner, more is steadier.
+    load_history: int = 8
     # Plain decoding's overhead is this quantile of its history (a few slow rounds after a
     # large prefill would otherwise price it high and pick speculation where it loses).
     plain_overhead_quantile: float = 0.25
