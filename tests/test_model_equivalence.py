@@ -3,6 +3,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from branchspec.config import tiny_config
 from branchspec.model.init import random_model
@@ -130,8 +132,10 @@ def test_mtp_prefill_state_matches_token_by_token(tiny64):
     torch.testing.assert_close(caches[0], caches[1], atol=1e-10, rtol=0)
 
 
-def test_batched_prefill_state_equals_token_by_token(tiny64):
-    """The runner prefills admitted requests together, padded to the longest chunk."""
+@pytest.mark.parametrize("call_tokens", [10**9, 0], ids=["one-padded-group", "a-group-each"])
+def test_batched_prefill_state_equals_token_by_token(tiny64, call_tokens):
+    """The runner prefills admitted requests together, padded to the longest chunk of
+    their group (`prefill_groups`): all in one group, or each alone."""
     from branchspec.config import SamplingParams
     from branchspec.engine.request import Sequence
 
@@ -142,11 +146,42 @@ def test_batched_prefill_state_equals_token_by_token(tiny64):
     for s in seqs:
         cache.add(s.seq_id)
         cache.reserve(s.seq_id, len(s.prompt_ids))
-    logits = new_runner(tiny64, cache).prefill(seqs, follow=True).last_logits
+    runner = new_runner(tiny64, cache)
+    runner.prefill_call_tokens = call_tokens
+    logits = runner.prefill(seqs, follow=True).last_logits
     for s, p, lg in zip(seqs, prompts, logits):
         ref_cache, ref_logits = sequential(tiny64, p, chunk=1)
         torch.testing.assert_close(lg, ref_logits[-1], atol=1e-10, rtol=0)
         assert_same_state(cache.snapshot(s.seq_id, len(p)), ref_cache.snapshot(0, len(p)))
+
+
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+        yield [[first]] + part
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=6), st.sampled_from([0, 1, 16, 128, 10**6]))
+def test_prefill_groups_pad_least(lengths, call_tokens):
+    """Prefill groups cost their padded tokens plus `call_tokens` each: the split chosen
+    costs no more than the best of every partition of the rows, covers each row with
+    tokens to feed exactly once, and leaves out rows with none."""
+    from branchspec.engine.runner import prefill_groups
+
+    def cost(groups):
+        return sum(len(g) * max(lengths[i] for i in g) + call_tokens for g in groups)
+
+    groups = prefill_groups(lengths, call_tokens)
+    rows = [i for i, n in enumerate(lengths) if n > 0]
+    assert sorted(i for g in groups for i in g) == rows
+    assert all(g for g in groups)
+    assert cost(groups) == min(cost(p) for p in _partitions(rows))
 
 
 def test_both_expert_dispatches_compute_the_same_model():

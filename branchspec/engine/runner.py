@@ -26,6 +26,33 @@ from branchspec.speculative.drafter import Drafter
 from branchspec.speculative.round import RoundBatch, RoundResult, SpeculativeRound
 
 
+# What one more prefill call costs beyond its tokens, in padded tokens' worth: the price
+# `prefill_groups` weighs padding against (docs/serving.md).
+PREFILL_CALL_TOKENS = 128
+
+
+def prefill_groups(lengths: list[int], call_tokens: int = PREFILL_CALL_TOKENS) -> list[list[int]]:
+    """Split rows with lengths[i] tokens to feed into groups prefilled together, each padded
+    to its longest row, so that padded tokens plus `call_tokens` per group are fewest.
+    Rows are grouped in length order (an optimal split of sorted lengths is contiguous);
+    rows with nothing to feed are left out. Returns lists of row indices, shortest first."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: lengths[i])
+    n = len(order)
+    # best[k]: the least cost of the first k sorted rows; cut[k]: where its last group starts
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for k in range(1, n + 1):
+        longest = lengths[order[k - 1]]
+        for j in range(k):
+            cost = best[j] + (k - j) * longest + call_tokens
+            if cost < best[k]:
+                best[k], cut[k] = cost, j
+    groups, k = [], n
+    while k > 0:
+        groups.append(order[cut[k]:k])
+        k = cut[k]
+    return groups[::-1]
+
+
 @dataclass
 class Prefilled:
     """What a prefill produced, per request of its batch."""
@@ -42,6 +69,7 @@ class ModelRunner:
         self.model, self.cache, self.executor, self.drafter = model, cache, executor, drafter
         self.cfg = model.cfg
         self.chunk = prefill_chunk_size
+        self.prefill_call_tokens = PREFILL_CALL_TOKENS
         self.device = model.embed.weight.device
         self.sync = self.device.type == "cuda"
         self.speculative = SpeculativeRound(executor, cache, drafter) if drafter is not None else None
@@ -79,8 +107,10 @@ class ModelRunner:
     # -- prefill ------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence], follow: bool, defer: bool = False) -> Prefilled:
-        """Feed every token before each root through the target, in chunks, all sequences
-        of the batch together (padded to the longest chunk). Pages must have been reserved.
+        """Feed every token before each root through the target, in chunks, sequences of
+        similar lengths together (`prefill_groups`: each group padded to its longest
+        chunk; one group for all of them pads a 13-token prompt to a 157-token one's
+        length). Pages must have been reserved.
 
         follow: the drafter follows (speculative rounds may come): each chunk goes through
         it too, or, with `defer`, joins its lag (fed only if a speculative round comes).
@@ -100,13 +130,25 @@ class ModelRunner:
         prompt_lps = {i: [None] for i, s in enumerate(seqs)
                       if s.params.prompt_logprobs is not None and s.prompt_logprobs is None}
         prompt_ranks = {i: [None] for i in prompt_lps}
-        while active := [i for i in range(len(seqs)) if done[i] < ends[i]]:
-            group = [seqs[i] for i in active]
-            ids = [s.seq_id for s in group]
+        for group in prefill_groups([e - d for e, d in zip(ends, done)], self.prefill_call_tokens):
+            self._prefill_group(seqs, group, ends, done, follow, defer, last_logits, prompt_lps, prompt_ranks)
+        for i, lps in prompt_lps.items():
+            seqs[i].prompt_logprobs, seqs[i].prompt_ranks = lps, prompt_ranks[i]
+        firsts, first_lps = self._first_tokens(seqs, last_logits)
+        return Prefilled(firsts, first_lps, last_logits, time.perf_counter() - t0)
+
+    def _prefill_group(self, seqs: list[Sequence], group: list[int], ends: list[int], done: list[int], follow: bool,
+                       defer: bool, last_logits: list, prompt_lps: dict[int, list], prompt_ranks: dict[int, list]
+                       ) -> None:
+        """Feed seqs[i] for i in `group` from done[i] to ends[i], chunk by chunk (moving
+        done, filling last_logits and the prompt logprobs asked for)."""
+        while active := [i for i in group if done[i] < ends[i]]:
+            fed = [seqs[i] for i in active]
+            ids = [s.seq_id for s in fed]
             L = torch.tensor([done[i] for i in active], dtype=torch.long, device=self.device)
             counts = [min(self.chunk, ends[i] - done[i]) for i in active]
             N = max(counts)
-            tokens = torch.full((len(group), N), self.cfg.pad_token_id, dtype=torch.long)
+            tokens = torch.full((len(fed), N), self.cfg.pad_token_id, dtype=torch.long)
             for j, (i, n) in enumerate(zip(active, counts)):
                 tokens[j, :n] = torch.tensor(seqs[i].token_ids[done[i]:done[i] + n])
             tokens = tokens.to(self.device)
@@ -120,10 +162,6 @@ class ModelRunner:
             for j, (i, n) in enumerate(zip(active, counts)):
                 done[i] += n
                 last_logits[i] = out.logits[j, n - 1]
-        for i, lps in prompt_lps.items():
-            seqs[i].prompt_logprobs, seqs[i].prompt_ranks = lps, prompt_ranks[i]
-        firsts, first_lps = self._first_tokens(seqs, last_logits)
-        return Prefilled(firsts, first_lps, last_logits, time.perf_counter() - t0)
 
     def _first_tokens(self, seqs: list[Sequence], logits: list[torch.Tensor | None]
                       ) -> tuple[list[int | None], list[list[dict[int, float]] | None]]:
