@@ -153,7 +153,11 @@ class ModelRunner:
                 tokens[j, :n] = torch.tensor(seqs[i].token_ids[done[i]:done[i] + n])
             tokens = tokens.to(self.device)
             meta = chain_meta(L, torch.tensor(counts, device=self.device), self.cfg.compressed_kinds, max_new=N)
-            out = self.executor.prefill(tokens, meta, ids, L)
+            # Logits at every position only where prompt logprobs are asked for; else at
+            # each row's last fed token.
+            every = any(i in prompt_lps for i in active)
+            at = None if every else torch.tensor([n - 1 for n in counts], device=self.device)
+            out = self.executor.prefill(tokens, meta, ids, L, logits_at=at)
             self.cache.commit(ids, meta, out.scratch, meta.valid)
             if follow:
                 self.drafter.follow(ids, L, tokens, out.hidden, counts, now=not defer)
@@ -161,7 +165,7 @@ class ModelRunner:
                 self._collect_prompt_logprobs(seqs, active, done, counts, out.logits, prompt_lps, prompt_ranks)
             for j, (i, n) in enumerate(zip(active, counts)):
                 done[i] += n
-                last_logits[i] = out.logits[j, n - 1]
+                last_logits[i] = out.logits[j, n - 1 if every else 0]
 
     def _first_tokens(self, seqs: list[Sequence], logits: list[torch.Tensor | None]
                       ) -> tuple[list[int | None], list[list[dict[int, float]] | None]]:

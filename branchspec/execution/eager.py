@@ -38,9 +38,10 @@ class EagerExecutor:
 
     # -- target -------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
-                lengths: torch.Tensor) -> ForwardOutput:
-        """input_ids [B, N] on top of each sequence's lengths [B] committed tokens."""
-        return self.model(input_ids, meta, self.cache.gather(seq_ids, lengths))
+                lengths: torch.Tensor, logits_at: torch.Tensor | None = None) -> ForwardOutput:
+        """input_ids [B, N] on top of each sequence's lengths [B] committed tokens; logits
+        at every position, or only at each row's logits_at [B] (logits [B, 1, V])."""
+        return self.model(input_ids, meta, self.cache.gather(seq_ids, lengths), logits_at=logits_at)
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
         """One plain decode step: roots [B, 1] at positions lengths [B], fed through the

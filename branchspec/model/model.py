@@ -134,8 +134,11 @@ class Transformer(nn.Module):
 
     # -- target -----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta,
-                states: list[LayerState] | None = None) -> ForwardOutput:
-        """input_ids: [B, N] new nodes; states: committed state per layer (None = empty)."""
+                states: list[LayerState] | None = None, logits_at: torch.Tensor | None = None) -> ForwardOutput:
+        """input_ids: [B, N] new nodes; states: committed state per layer (None = empty);
+        logits_at: [B] the one position of each row whose logits are wanted (logits [B, 1,
+        V]: a prefill needs only its last token's, and the LM head over every prompt
+        position was a sixth of it), None for every position's."""
         B, N = input_ids.shape
         if states is None:
             states = self.empty_states(B)
@@ -145,7 +148,8 @@ class Transformer(nn.Module):
         for layer, state in zip(self.layers, states):
             h, s = layer(h, meta, state, input_ids, rope)
             scratch.append(s)
-        logits = self.head(self.norm(collapse(self, h, self.cfg)))
+        at = h if logits_at is None else h[torch.arange(B, device=h.device), logits_at][:, None]
+        logits = self.head(self.norm(collapse(self, at, self.cfg)))
         return ForwardOutput(logits=logits, hidden=h.reshape(B, N, -1), scratch=scratch)
 
     def empty_states(self, batch: int) -> list[LayerState]:
