@@ -122,5 +122,7 @@ def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
     assert log_c[0, 0, 0, 1, b[1]] > 0 > log_c[0, 0, 0, 0, b[0]], "the hit raises its cell's factor, the miss lowers"
     values = model.edge_log_values(log_c, 1, torch.ones(1, 1, dtype=torch.bool), logp[:, :1])
     assert (values <= 0).all()
+    assert torch.equal(model.edge_log_values(log_c, 1, None, logp[:, :1]), values), "None: the root, on the main line"
+    assert not torch.equal(model.edge_log_values(log_c, 1, torch.zeros(1, 1, dtype=torch.bool), logp[:, :1]), values)
     model.forget(3)
     assert model.counts(3) is None

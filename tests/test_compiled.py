@@ -20,6 +20,7 @@ from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 CHAIN = SpecConfig.chain(6)
+CALIBRATED = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, selection="calibrated")
 PROMPTS = [[0] + [3 + (7 * j + i) % 60 for j in range(20 + 9 * i)] for i in range(5)]
 
 
@@ -39,6 +40,7 @@ def llms(ckpt, tmp_path_factory):
         fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
         loaded = steps_loaded()
         warm = {"tree": fast.warmup(TREE, batch_sizes=(1, 2)), "chain": fast.warmup(CHAIN, batch_sizes=(1, 2)),
+                "calibrated": fast.warmup(CALIBRATED, batch_sizes=(1, 2)),
                 "plain": fast.warmup(None, batch_sizes=(1, 2)), "loaded": steps_loaded() - loaded}
         yield eager, fast, warm
     torch.set_num_threads(n)
@@ -49,10 +51,12 @@ def test_warmup_compiles_a_few_graphs(llms):
     # A configuration compiles what it runs and nothing else, once at batch 1 and once for
     # any larger batch. The tree: the target at D nodes (verify), the drafter at one node
     # (first root), its growth and its draft extend (D + 1 nodes, the path's commit in the
-    # same graph). The chain of the same D then needs only its own growth; plain decoding,
-    # the target at one node (its commit in the same graph).
+    # same graph). The chain of the same D, and the calibrated tree of the same shape, then
+    # need only their own growth; plain decoding, the target at one node (its commit in the
+    # same graph).
     assert warm["tree"]["graphs"] == 2 * 4
     assert warm["chain"]["graphs"] == 2 * 1
+    assert warm["calibrated"]["graphs"] == 2 * 1
     assert warm["plain"]["graphs"] == 2 * 1
     assert warm["loaded"] == 0, "the module's cache folder starts empty"
 
@@ -69,7 +73,7 @@ def test_a_second_llm_loads_the_compiled_steps(llms, ckpt):
     assert ours == [o.token_ids for o in eager.generate(PROMPTS[:3], params, spec=TREE)]
 
 
-@pytest.mark.parametrize("spec", [None, TREE, CHAIN], ids=["plain", "tree", "chain"])
+@pytest.mark.parametrize("spec", [None, TREE, CHAIN, CALIBRATED], ids=["plain", "tree", "chain", "calibrated"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_compiled_greedy_equals_eager_without_recompiling(llms, spec, batch):
     eager, fast, _ = llms

@@ -43,11 +43,13 @@ def bucket_of(prob: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(prob.to(torch.float64).contiguous(), edges.to(prob.device))
 
 
-def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent_main: torch.Tensor,
+def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent_main: torch.Tensor | None,
                     logp: torch.Tensor) -> torch.Tensor:
     """log q of the children of one step's parents: log_c [B, 2, depths, R, buckets]
     (`AcceptanceModel.log_factors`, at least `depth` deep); edges the buckets' upper edges;
-    depth the children's depth (1 = the root's children); parent_main [B, P] bool; logp
+    depth the children's depth (1 = the root's children); parent_main [B, P] bool, or None
+    where every parent is on the main line (the root: a line of constants there would be
+    folded by the compiler, whose folding then fixed a compiled growth's batch); logp
     [B, P, k] the drafter's log-probabilities of each parent's top-k children, best first
     -> [B, P, k], never above 0. A pure function of tensors (the compiled growth runs it in
     its graph), one gather from the flattened table."""
@@ -55,8 +57,8 @@ def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent
     depths, R, buckets = log_c.shape[2:]
     d = min(depth, depths) - 1
     rank = torch.arange(k, device=logp.device).clamp(max=R - 1)                   # [k]
-    line = (~parent_main).long()[..., None]                                      # [B, P, 1]
-    cell = ((line * depths + d) * R + rank) * buckets + bucket_of(logp.exp(), edges)   # [B, P, k]
+    row = d if parent_main is None else (~parent_main).long()[..., None] * depths + d   # [B, P, 1]
+    cell = (row * R + rank) * buckets + bucket_of(logp.exp(), edges)             # [B, P, k]
     table = log_c.reshape(B, -1).to(logp.device)
     return (logp + table.gather(1, cell.reshape(B, P * k)).view(B, P, k).to(logp.dtype)).clamp(max=0.0)
 
@@ -233,7 +235,7 @@ class AcceptanceModel:
         """The probability bucket of each drafter probability (same shape)."""
         return bucket_of(prob, self.edges)
 
-    def edge_log_values(self, log_c: torch.Tensor, depth: int, parent_main: torch.Tensor,
+    def edge_log_values(self, log_c: torch.Tensor, depth: int, parent_main: torch.Tensor | None,
                         logp: torch.Tensor) -> torch.Tensor:
         """`edge_log_values` with this model's buckets."""
         return edge_log_values(log_c, self.edges, depth, parent_main, logp)

@@ -90,7 +90,7 @@ def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: di
         view = x.scale.view(-1, *([1] * (logits.dim() - 1)))
         return torch.log_softmax(logits.float() / view, dim=-1).gather(-1, index)
 
-    def edge_values(depth: int, parent_main: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    def edge_values(depth: int, parent_main: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
         return edge_log_values(x.log_q, shared["prob_edges"], depth, parent_main, logp)
 
     slot_k = x.root_k                                               # [B, X, d_h] keys of expanded nodes
@@ -100,8 +100,7 @@ def grow_trees(model: Transformer, plan: GrowthPlan, x: GrowthInputs, shared: di
     cand_score, cand_index = logp.topk(k, dim=-1)                   # [B, k]
     cand_tok = token_ids(cand_index)
     root_lp = value_logp(x.root_logits, cand_index)                 # [B, k]
-    root_main = torch.ones(B, 1, dtype=torch.bool, device=device)
-    cand_value = edge_values(1, root_main, root_lp[:, None])[:, 0] if plan.calibrated else cand_score
+    cand_value = edge_values(1, None, root_lp[:, None])[:, 0] if plan.calibrated else cand_score   # the root: main line
     cand_main = (arange_k == 0).expand(B, k)                        # [B, C] on the main line
     cand_parent = torch.full((B, k), -1, dtype=torch.long, device=device)   # candidate index, -1 root
     cand_slot_parent = torch.zeros(B, k, dtype=torch.long, device=device)   # parent's expanded slot
