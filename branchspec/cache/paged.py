@@ -61,6 +61,41 @@ class BlockTables:
     page_size: int
 
 
+@dataclass
+class AddressInputs:
+    """What a batch's state addresses follow from (`locate`): its block tables, its
+    committed lengths, and how many entries of each compressed ratio to address, carried
+    as the entry numbers themselves so that a compiled step computes the addresses in its
+    graph (where they fuse into the reads) with the count as a size."""
+
+    tables: BlockTables                 # every kind's block tables (also where a commit writes)
+    lengths: torch.Tensor               # [B] committed L
+    entries: dict[int, torch.Tensor]    # ratio -> [E] entry numbers 0 .. E-1 (E: see `PagedState.address_inputs`)
+
+
+def locate(cfg: ModelConfig, x: AddressInputs) -> StateAddresses:
+    """Every slot of a batch's committed target state and the masks that go with them (see
+    `StateAddresses`): the window and the compressors' buffers by position in their rings,
+    the entries and index keys by entry number. A pure function of tensors, run eagerly
+    (`PagedState.addresses`) and inside compiled steps alike."""
+    page_size, tables = x.tables.page_size, x.tables.tables
+    specs = {s.name: s for s in kind_specs(cfg, page_size)}
+    lengths = x.lengths
+    B = lengths.shape[0]
+    raw_slots, raw_pos, raw_valid = ring_read(specs["raw"], page_size, tables["raw"], lengths, cfg.window - 1)
+    slots, entries_valid = {"raw": raw_slots}, {}
+    for c in cfg.compressed_kinds:
+        r = c.ratio
+        slots[f"buf{r}"] = ring_read(specs[f"buf{r}"], page_size, tables[f"buf{r}"], lengths, c.buffer_rows)[0]
+        e = x.entries[r].expand(B, -1)                                  # [B, E] entry numbers
+        slots[f"ent{r}"] = flat_slots(specs[f"ent{r}"], page_size, tables[f"ent{r}"], e)
+        entries_valid[r] = e < (lengths // r)[:, None]
+        if c.indexer:
+            slots["ibuf"] = ring_read(specs["ibuf"], page_size, tables["ibuf"], lengths, c.buffer_rows)[0]
+            slots["ikey"] = flat_slots(specs["ikey"], page_size, tables["ikey"], e)
+    return StateAddresses(slots=slots, raw_pos=raw_pos, raw_valid=raw_valid, entries_valid=entries_valid)
+
+
 def read_states(cfg: ModelConfig, storage: dict[str, torch.Tensor], addr: StateAddresses) -> list[LayerState]:
     """The dense committed state of every target layer, read from the pools' storage
     ({kind: [layers of kind, slots, width]}) at `addr`: one read per kind, for all its
@@ -146,6 +181,7 @@ class PagedState:
         # changed some table: most steps allocate nothing, and building them from Python
         # lists row by row was a large share of a batch-64 step.
         self._table_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._entry_numbers: dict[tuple[int, int], torch.Tensor] = {}   # (ratio, count) -> [count] arange
 
     # -- allocation -----------------------------------------------------------------------
     def add(self, seq_id: int) -> None:
@@ -210,46 +246,38 @@ class PagedState:
             t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         return t.to(self.device)
 
-    def _slots(self, kind: str, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return flat_slots(self.specs[kind], self.page_size, table, index)
-
     def block_tables(self, seq_ids: list[int], kinds: tuple[str, ...] | None = None) -> BlockTables:
         """The batch's block tables of `kinds` (default: every kind)."""
         return BlockTables({n: self._table(n, seq_ids) for n in (kinds or self.specs)}, self.page_size)
 
-    def _ring_read(self, kind: str, table: torch.Tensor, lengths: torch.Tensor, count: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return ring_read(self.specs[kind], self.page_size, table, lengths, count)
-
     # -- gather ---------------------------------------------------------------------------
-    def addresses(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> StateAddresses:
-        """Where a batch's committed state lives (small index tensors). lengths: [B] committed L.
+    def address_inputs(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> AddressInputs:
+        """What `locate` computes a batch's addresses from. lengths: [B] committed L.
 
         `whole_pages`: address committed entries in whole pages (the padding masked by
         entries_valid), for compiled steps whose shapes must not change with every entry."""
-        cfg = self.cfg
         lengths = lengths.to(self.device)
-        tables = {n: self._table(n, seq_ids) for n in self.specs if n != "mtp"}
-        raw_slots, raw_pos, raw_valid = self._ring_read("raw", tables["raw"], lengths, cfg.window - 1)
-        slots, entries_valid = {"raw": raw_slots}, {}
-        for c in cfg.compressed_kinds:
-            r = c.ratio
-            slots[f"buf{r}"] = self._ring_read(f"buf{r}", tables[f"buf{r}"], lengths, c.buffer_rows)[0]
-            num_entries = lengths // r
-            E = int(num_entries.max()) if len(seq_ids) else 0
+        most = int(lengths.max()) if len(seq_ids) else 0
+        entries = {}
+        for c in self.cfg.compressed_kinds:
+            E = most // c.ratio
             if whole_pages:
                 # Whole pages, at least one, and under an indexer at least its top-k: the
                 # shape changes every page_size entries, and top-k never has fewer entries
                 # than k to choose from (which the compiler would guard on).
-                least = cfg.index_topk if c.indexer else 1
+                least = self.cfg.index_topk if c.indexer else 1
                 E = -(-max(E, least) // self.page_size) * self.page_size
-            e = torch.arange(E, device=self.device).expand(len(seq_ids), E)   # [B, E] entry numbers
-            slots[f"ent{r}"] = self._slots(f"ent{r}", tables[f"ent{r}"], e)
-            entries_valid[r] = e < num_entries[:, None]
-            if c.indexer:
-                slots["ibuf"] = self._ring_read("ibuf", tables["ibuf"], lengths, c.buffer_rows)[0]
-                slots["ikey"] = self._slots("ikey", tables["ikey"], e)
-        return StateAddresses(slots=slots, raw_pos=raw_pos, raw_valid=raw_valid, entries_valid=entries_valid)
+            # One tensor per (ratio, count), reused: never the same object for two ratios,
+            # since a compiled step guards on which of its inputs alias each other.
+            if (numbers := self._entry_numbers.get((c.ratio, E))) is None:
+                numbers = self._entry_numbers[(c.ratio, E)] = torch.arange(E, device=self.device)
+            entries[c.ratio] = numbers
+        return AddressInputs(tables=self.block_tables(seq_ids), lengths=lengths, entries=entries)
+
+    def addresses(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> StateAddresses:
+        """Where a batch's committed state lives (small index tensors; `locate`). lengths:
+        [B] committed L; `whole_pages` as in `address_inputs`."""
+        return locate(self.cfg, self.address_inputs(seq_ids, lengths, whole_pages))
 
     def gather(self, seq_ids: list[int], lengths: torch.Tensor) -> list[LayerState]:
         """Dense committed state of every target layer for a batch. lengths: [B] committed L."""

@@ -5,14 +5,14 @@ steps. Compiled code is specialised to the shapes it saw, so every step the engi
 must come in a few stable shapes: decode and verify keep their node counts (1 and D), the
 drafter's extend is padded to D + 1 nodes, completing-node slots are sized by their bound
 (`metadata.max_completions`), and committed entries are gathered in whole pages
-(`PagedState.addresses(whole_pages=True)`). The sizes that still vary (batch >= 2, entries, the pools'
+(`PagedState.address_inputs(whole_pages=True)`). The sizes that still vary (batch >= 2, entries, the pools'
 slot counts, the drafter's node count) are marked dynamic and every other size is a
 constant, so a growing context or a different accept length reuses the same graphs: a
 speculative configuration needs four at batch 1 and four more for any larger batch (the
 verify pass at D nodes, which accepts and commits its greedy rows too; the drafter at 1 node; its whole growth; its draft extend), plain
 decoding one each (the target at 1 node). Each step is one graph with no breaks
 (`fullgraph`), and the target's steps read their committed state from the pools inside
-the graph (`Pools`, `PagedState.addresses`). Prefill chunks vary in length and stay eager.
+the graph (`Pools`, `paged.locate`). Prefill chunks vary in length and stay eager.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
-from branchspec.cache.paged import BlockTables, StateAddresses, read_states, write_nodes
+from branchspec.cache.paged import AddressInputs, BlockTables, locate, read_states, write_nodes
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
@@ -131,12 +131,9 @@ def mark_varying_sizes(args: tuple, drafter: bool, batch: bool = True) -> None:
         if isinstance(arg, Pools):        # the pools' slot counts follow the engine's limits
             for t in arg.storage.values():
                 mark(t, 1)
-    for addr in _found(args, StateAddresses):
-        for kind, t in addr.slots.items():
-            if kind.startswith(("ent", "ikey")):
-                mark(t, 1)
-        for t in addr.entries_valid.values():
-            mark(t, 1)
+    for state in _found(args, AddressInputs):
+        for t in state.entries.values():     # the entry numbers addressed (a whole page more at a time)
+            mark(t, 0)
     for tables in _found(args, BlockTables):
         for kind, t in tables.tables.items():
             if kind.startswith(("ent", "ikey")):
@@ -175,20 +172,19 @@ def _example(args: tuple) -> tuple:
                  for a in args)
 
 
-def decode_step(model: Transformer, input_ids: torch.Tensor, num_committed: torch.Tensor, pools: Pools,
-                addr: StateAddresses, tables: BlockTables) -> ForwardOutput:
+def decode_step(model: Transformer, input_ids: torch.Tensor, pools: Pools, state: AddressInputs) -> ForwardOutput:
     """Plain decoding's step as a plain function of the model (what gets compiled: the
     model is an input, so one compiled step serves any weights of the same configuration),
-    one node per sequence (input_ids [B, 1]) after num_committed [B] tokens, reading its
-    committed state from the pools in its graph (where the reads fuse into the kernels
-    that consume them instead of being copied out first) and committed in the same graph:
-    its metadata is a function of
-    the committed lengths alone (about 0.3 ms of eager ops a step at batch 1, built here),
-    and its one node per sequence is always kept, so the graph writes its state into the
-    pools (`write_nodes`; about 0.4 ms of eager ops). Returns the output, scratch dropped."""
-    meta = chain_meta(num_committed, 1, model.cfg.compressed_kinds, max_new=1, static=True)
-    out = model.forward(input_ids, meta, read_states(model.cfg, pools.storage, addr))
-    write_nodes(model.cfg, pools.storage, tables, meta, out.scratch, meta.valid)
+    one node per sequence (input_ids [B, 1]) after state.lengths [B] tokens, with all its
+    eager work in its graph: the committed state's addresses (`locate`, about 0.2 ms of
+    eager ops a step at batch 1), the reads from the pools (where they fuse into the
+    kernels that consume them instead of being copied out first), its metadata, a function
+    of the committed lengths alone (about 0.3 ms), and the commit: its one node per
+    sequence is always kept, so the graph writes its state into the pools (`write_nodes`;
+    about 0.4 ms). Returns the output, scratch dropped."""
+    meta = chain_meta(state.lengths, 1, model.cfg.compressed_kinds, max_new=1, static=True)
+    out = model.forward(input_ids, meta, read_states(model.cfg, pools.storage, locate(model.cfg, state)))
+    write_nodes(model.cfg, pools.storage, state.tables, meta, out.scratch, meta.valid)
     return dataclasses.replace(out, scratch=[])
 
 
@@ -519,9 +515,8 @@ class CompiledExecutor(EagerExecutor):
         return step(batched, Shared(shared))
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
-        # The step builds its metadata and commits in its graph.
-        return self._decode(roots, lengths, Pools(self.cache.storage),
-                            self.cache.addresses(seq_ids, lengths, whole_pages=True), self.cache.block_tables(seq_ids))
+        # The step addresses its state, builds its metadata and commits in its graph.
+        return self._decode(roots, Pools(self.cache.storage), self.cache.address_inputs(seq_ids, lengths, whole_pages=True))
 
     def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                 state: LayerState) -> ForwardOutput:

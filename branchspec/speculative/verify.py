@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from branchspec.cache.paged import BlockTables, StateAddresses, read_states, write_nodes
+from branchspec.cache.paged import AddressInputs, locate, read_states, write_nodes
 from branchspec.execution import Executor
 from branchspec.model.metadata import ForwardMeta, tree_meta
 from branchspec.model.model import ForwardOutput, Transformer
@@ -42,8 +42,7 @@ class VerifyInputs:
     tokens: torch.Tensor          # [B, D] the trees' tokens, root first
     parents: torch.Tensor         # [B, D] each node's parent (-1: the root)
     num_committed: torch.Tensor   # [B] L: tokens committed before the round
-    addresses: StateAddresses     # where each request's committed state lies
-    tables: BlockTables           # where a kept node's state goes
+    state: AddressInputs          # where each request's committed state lies, and a kept node's goes
     greedy: torch.Tensor          # [B] bool: accepted by the argmax and committed in the call
     max_path_len: torch.Tensor    # [B] most path nodes a request may commit (its budget + 1)
 
@@ -60,14 +59,14 @@ class Verified:
 def verify_forward(model: Transformer, plan: VerifyPlan, x: VerifyInputs, shared: dict[str, torch.Tensor],
                    storage: dict[str, torch.Tensor]) -> Verified:
     """The trees' plan (`tree_meta`), the target's forward over their nodes reading the
-    committed state from the pools' storage, the argmax path through each tree
+    committed state from the pools' storage (at addresses computed here, `locate`), the argmax path through each tree
     (`accept`), and the greedy rows' paths written into the pools (`write_nodes`; the
     other rows' writes go to the sink). A pure function of tensors: one compiled graph
     per (D, batch class) on the fast path."""
     meta = tree_meta(x.parents, x.num_committed, model.cfg.compressed_kinds, static=plan.static)
-    out = model.forward(x.tokens, meta, read_states(model.cfg, storage, x.addresses))
+    out = model.forward(x.tokens, meta, read_states(model.cfg, storage, locate(model.cfg, x.state)))
     acc = accept(x.tokens, x.parents, meta.ancestor, out.logits.argmax(dim=-1), x.max_path_len)
-    write_nodes(model.cfg, storage, x.tables, meta, out.scratch, acc.keep & x.greedy[:, None])
+    write_nodes(model.cfg, storage, x.state.tables, meta, out.scratch, acc.keep & x.greedy[:, None])
     return Verified(out=out, meta=meta, greedy=acc)
 
 
@@ -79,6 +78,6 @@ def verify_trees(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor
     static, cache = executor.static_shapes, executor.cache
     plan = VerifyPlan(tokens.shape[1], static=static)
     inputs = VerifyInputs(tokens=tokens, parents=parents, num_committed=lengths,
-                          addresses=cache.addresses(seq_ids, lengths, whole_pages=static),
-                          tables=cache.block_tables(seq_ids), greedy=greedy, max_path_len=max_path_len)
+                          state=cache.address_inputs(seq_ids, lengths, whole_pages=static), greedy=greedy,
+                          max_path_len=max_path_len)
     return executor.graph(verify_forward, plan, inputs, {}, pools=True)
