@@ -69,7 +69,7 @@ def floor_times(model, batch: int, steps: int) -> list[float]:
         if isinstance(m, Experts) and not name.startswith("mtp"):
             for e in range(model.cfg.num_experts_per_tok):
                 weights += [m.w1[e], m.w3[e], m.w2[e]]
-    inputs = [torch.randn(batch, w.shape[1]) for w in weights]
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
     times = []
     for _ in range(steps + 3):
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ untimed call) and checks that they produce the same tokens. Prints a table, the 
 then one line of JSON; --plot FILE also draws the speedups (PNG).
 
     python scripts/bench_fast_path.py [--threads N] [--repeats 2] [--batches 1,4,16,64] [--no-eager] [--plot FILE]
+                                      [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -77,15 +78,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--no-eager", action="store_true", help="time the compiled path only")
     ap.add_argument("--plot", default=None, help="write the speedups as a PNG here")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the compiled path's dtype; other than float32, compiled float32 plain decoding "
+                         "is timed beside it as the plain configuration to beat")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    fast = LLM(seed=0, max_batch_size=max(batches), compile=True)
+    fast = LLM(seed=0, max_batch_size=max(batches), compile=True, dtype=args.dtype)
+    # The fastest plain configuration: float32 plain, compiled, whatever dtype is benchmarked.
+    fp32 = None if args.dtype == "float32" else LLM(seed=0, max_batch_size=max(batches), compile=True)
     t0, graphs = time.perf_counter(), compilations()
     sizes = tuple(sorted({min(b, 2) for b in batches}))
     for _, spec in SPECS:
         fast.warmup(spec, batch_sizes=sizes)
+    if fp32 is not None:
+        fp32.warmup(None, batch_sizes=sizes)
     warmup = {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs}
     eager = None if args.no_eager else LLM(seed=0, max_batch_size=max(batches))
     rows, graphs = [], compilations()
@@ -104,6 +112,12 @@ def main() -> None:
                            same_tokens=e["tokens"] == c["tokens"])
             rows.append(row)
             print(f"  {name} batch {batch}: compiled {c['ms']:.2f} ms, {c['tok_s']:.0f} tok/s", flush=True)
+        if fp32 is not None:
+            c = timed(fp32, [PROMPT] * batch, params, None, args.repeats)
+            rows.append({"config": "plain float32", "batch": batch, "compiled_ms": c["ms"],
+                         "compiled_tok_s": c["tok_s"], "accept": c["accept"],
+                         "compiled_speedup": c["tok_s"] / plain[1]["tok_s"], "compiled_phases": c["phases"]})
+            print(f"  plain float32 batch {batch}: compiled {c['ms']:.2f} ms, {c['tok_s']:.0f} tok/s", flush=True)
 
     print(f"warm-up: {warmup['graphs']} graphs in {warmup['seconds']:.1f} s")
     print(f"{'config':14} {'batch':>5} {'accept':>6} {'eager ms':>9} {'tok/s':>7} {'vs plain':>8} "
@@ -130,14 +144,18 @@ def main() -> None:
         print(f"matmul floor at batch 1: {floor_ms:.2f} ms; compiled plain step {plain1:.2f} ms")
     for b in (1, 4):
         if row("plain", b):
-            best = max((r for r in rows if r["batch"] == b and r["config"] != "plain"), key=lambda r: r["compiled_tok_s"])
+            best = max((r for r in rows if r["batch"] == b and r["config"].split()[0] != "plain"),
+                       key=lambda r: r["compiled_tok_s"])
             goals[f"best speculative / plain, batch {b}"] = best["compiled_speedup"]
             goals[f"best configuration, batch {b}"] = best["config"]
+            if row("plain float32", b):
+                fastest_plain = max(row("plain", b)["compiled_tok_s"], row("plain float32", b)["compiled_tok_s"])
+                goals[f"best speculative / fastest plain (either dtype), batch {b}"] = best["compiled_tok_s"] / fastest_plain
     for k, v in goals.items():
         print(f"goal: {k}: {v:.2f}x" if isinstance(v, float) else f"goal: {k}: {v}")
     if args.plot:
         plot(rows, args.plot)
-    print(json.dumps({"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+    print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
                       "warmup": warmup, "graphs_after_warmup": compilations() - graphs, "goals": goals,
                       "rows": rows}))
 
