@@ -21,6 +21,7 @@ from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
 from branchspec.execution import expert_dispatch
+from branchspec.model.layers import pack_products
 from branchspec.speculative.draft_vocab import DraftVocab
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v4-mini-v2"
@@ -158,6 +159,7 @@ class LLM:
                                     "pass a checkpoint folder: LLM('path/to/checkpoint')")
         self.path = path
         self.model = load_checkpoint(path, dtype, expert_dispatch=expert_dispatch(compile)).to(device)
+        pack_products(self.model)     # the large weights' products through oneDNN (model/matmul.py)
         self.tokenizer = None
         if (path / "tokenizer.json").is_file():
             from branchspec.data.tokenizer import Tokenizer

@@ -17,13 +17,13 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from branchspec.cache.paged import PagedState
 from branchspec.config import tiny_config, v4_mini_config, v4_mini_v2_config
 from branchspec.execution import expert_dispatch, make_executor
 from branchspec.model.init import random_model
-from branchspec.model.layers import Experts
+from branchspec.model.layers import Experts, pack_products
+from branchspec.model.matmul import linear
 from branchspec.model.metadata import chain_meta
 
 PRESETS = {"tiny": tiny_config, "v4-mini": v4_mini_config, "v4-mini-v2": v4_mini_v2_config}
@@ -61,20 +61,21 @@ def step_times(model, batch: int, context: int, steps: int, compiled: bool = Fal
 @torch.no_grad()
 def floor_times(model, batch: int, steps: int) -> list[float]:
     """The step's matmuls alone: every target Linear (and the LM head) applied once to a
-    [batch, in_features] input, back to back."""
-    weights = [m.weight for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and not name.startswith("mtp")]
+    [batch, in_features] input, back to back, each through the product the model runs it
+    with (packed where the model packs it, `layers.pack_products`)."""
+    products = [(m.weight, getattr(m, "packed", False)) for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and not name.startswith("mtp")]
     # MoE: each token runs num_experts_per_tok routed experts (counted as the first k).
     for name, m in model.named_modules():
         if isinstance(m, Experts) and not name.startswith("mtp"):
             for e in range(model.cfg.num_experts_per_tok):
-                weights += [m.w1[e], m.w3[e], m.w2[e]]
-    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
+                products += [(m.w1[e], False), (m.w3[e], False), (m.w2[e], False)]
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w, _ in products]
     times = []
     for _ in range(steps + 3):
         t0 = time.perf_counter()
-        for x, w in zip(inputs, weights):
-            F.linear(x, w)
+        for x, (w, packed) in zip(inputs, products):
+            linear(x, w, packed)
         times.append(time.perf_counter() - t0)
     return times[3:]
 
@@ -99,6 +100,8 @@ def main() -> None:
         cfg = PRESETS[name]()
         models = {path: random_model(cfg, seed=0, expert_dispatch=expert_dispatch(path == "compiled"))
                   for path in paths}    # the same weights; MoE dispatch as each path runs it
+        for m in models.values():
+            pack_products(m)            # as an LLM runs them
         for batch in (1, 64):
             floor = statistics.median(floor_times(models["eager"], batch, args.steps))
             for path in paths:

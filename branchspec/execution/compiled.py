@@ -31,7 +31,7 @@ from branchspec.cache.paged import AddressInputs, BlockTables, locate, read_stat
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
-from branchspec.model.layers import build_stacked
+from branchspec.model.layers import build_stacked, packed_products
 from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
 
@@ -320,6 +320,7 @@ class CompiledStep:
         # The device with its index: a step guards on its tensors' devices (cuda:0 is not cuda:1).
         blob = json.dumps({"model": self.model.cfg.to_dict(), "dtype": str(w.dtype), "device": str(w.device),
                            "step": self.fn.__name__, "shape": shape_class, "source": source_digest(),
+                           "packed": packed_products(self.model),
                            "inductor": self._inductor_options(),
                            "global_state": state if state is not None else global_state(),
                            "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from branchspec.config import Compression, ModelConfig
-from branchspec.model.layers import RMSNorm, StackedLinear, rope_cos_sin, rope_pair_tables, rotate_pairs, unit_rms
+from branchspec.model.layers import Linear, RMSNorm, StackedLinear, rope_cos_sin, rope_pair_tables, rotate_pairs, unit_rms
 from branchspec.model.metadata import ForwardMeta, PoolPlan
 
 
@@ -111,8 +111,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.dim, self.overlap = compression.ratio, dim, compression.overlap
         width = compression.row_groups * dim
-        self.wkv = nn.Linear(d_model, width, bias=False)
-        self.wgate = nn.Linear(d_model, width, bias=False)
+        self.wkv = Linear(d_model, width)
+        self.wgate = Linear(d_model, width)
         self.ape = nn.Parameter(torch.zeros(self.ratio, width))
         self.norm = RMSNorm(dim, cfg.norm_eps)
 
@@ -146,8 +146,8 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, compression: Compression):
         super().__init__()
         self.num_heads, self.head_dim, self.topk = cfg.index_num_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.d_model, self.num_heads, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.d_model, self.num_heads)
         self.compressor = Compressor(cfg.d_model, compression, self.head_dim, cfg)
         self.scale = (self.num_heads * self.head_dim) ** -0.5
 
@@ -185,17 +185,17 @@ class Attention(nn.Module):
         self.cfg, self.ratio = cfg, compression.ratio
         H, dh = cfg.num_heads, cfg.head_dim
         self.rope_name = rope_table_of(compression)
-        self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(cfg.d_model, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * dh, bias=False)
-        self.wkv = nn.Linear(cfg.d_model, dh, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, H * dh)
+        self.wkv = Linear(cfg.d_model, dh)
         self.kv_norm = RMSNorm(dh, cfg.norm_eps)
         if cfg.o_groups:
             # Grouped low-rank output: each group of heads to o_lora_rank, then all to d_model.
-            self.wo_a = nn.Linear(H * dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-            self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.d_model, bias=False)
+            self.wo_a = Linear(H * dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+            self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.d_model)
         else:
-            self.wo = nn.Linear(H * dh, cfg.d_model, bias=False)
+            self.wo = Linear(H * dh, cfg.d_model)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor = Compressor(cfg.d_model, compression, dh, cfg) if compression.ratio > 0 else None
         self.indexer = Indexer(cfg, compression) if compression.indexer else None

@@ -12,6 +12,19 @@ from torch import nn
 import torch.nn.functional as F
 
 from branchspec.config import ModelConfig
+from branchspec.model.matmul import PACK_MIN_ELEMENTS, linear, packed_products_available
+
+
+class Linear(nn.Linear):
+    """nn.Linear without a bias, whose product may run on a packed copy of its weight
+    (`packed`, set by `pack_products`; see `matmul.linear`)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.packed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -47,6 +60,7 @@ class StackedLinear:
         self.sizes: list[int] = []
         self.key: tuple = ()
         self.frozen = False                     # built for compiled inference (`build_stacked`)
+        self.packed = False                     # multiply by a packed copy (`pack_products`)
 
     def build(self) -> None:
         """(Re)build the stacked copy if any weight moved or changed since the last build."""
@@ -64,7 +78,7 @@ class StackedLinear:
             return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
         if not self.frozen:
             self.build()
-        return list(F.linear(x, self.stacked).split(self.sizes, dim=-1))
+        return list(linear(x, self.stacked, self.packed).split(self.sizes, dim=-1))
 
 
 def build_stacked(module: nn.Module) -> None:
@@ -76,6 +90,37 @@ def build_stacked(module: nn.Module) -> None:
             if isinstance(value, StackedLinear):
                 value.build()
                 value.frozen = True
+
+
+def pack_products(module: nn.Module, on: bool = True, min_elements: int = PACK_MIN_ELEMENTS) -> int:
+    """Run the products of `module`'s large weights (`Linear` and `StackedLinear` with at
+    least `min_elements` weights; all of them with 0) on packed copies of their weights
+    (`matmul.linear`), or none of them (`on=False`). Where packed products are not
+    available (torch without oneDNN), nothing changes. Read when a forward runs, so set it
+    before compiling. Returns how many products now run packed."""
+    on = on and packed_products_available()
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.packed = on and m.weight.numel() >= min_elements
+            count += m.packed
+        for value in vars(m).values():
+            if isinstance(value, StackedLinear):
+                value.packed = on and sum(w.numel() for w in value.weights()) >= min_elements
+                count += value.packed
+    return count
+
+
+def packed_products(module: nn.Module) -> tuple[str, ...]:
+    """The names of `module`'s products that run packed (`pack_products`): a compiled
+    step's graph depends on them."""
+    names = []
+    for name, m in module.named_modules():
+        if isinstance(m, Linear) and m.packed:
+            names.append(name)
+        names += [f"{name}.{attr}" for attr, value in vars(m).items()
+                  if isinstance(value, StackedLinear) and value.packed]
+    return tuple(names)
 
 
 # -- rotary embedding ----------------------------------------------------------------------
@@ -178,9 +223,9 @@ class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, limit: float = 0.0):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = Linear(dim, hidden)
+        self.w2 = Linear(hidden, dim)
+        self.w3 = Linear(dim, hidden)
         self.input_proj = StackedLinear(self._input_weights)
 
     def _input_weights(self) -> list[torch.Tensor]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from branchspec.config import Compression, ModelConfig
 from branchspec.model.attention import Attention, LayerScratch, LayerState, RopeTables, empty_layer_state, rope_table_of
-from branchspec.model.layers import EXPERT_DISPATCH, RMSNorm, feed_forward, hc_head, hc_post, hc_pre, rope_tables
+from branchspec.model.layers import EXPERT_DISPATCH, Linear, RMSNorm, feed_forward, hc_head, hc_post, hc_pre, rope_tables
+from branchspec.model.matmul import linear
 from branchspec.model.metadata import ForwardMeta, chain_meta
 
 WINDOW_ONLY = Compression.of(0)    # the drafter's block: a sliding window, no compression
@@ -94,8 +94,8 @@ class MTP(Block):
         super().__init__(cfg, WINDOW_ONLY, expert_dispatch=expert_dispatch)
         self.enorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.e_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.h_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.e_proj = Linear(cfg.d_model, cfg.d_model)
+        self.h_proj = Linear(cfg.d_model, cfg.d_model)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         add_hc_head(self, cfg)
 
@@ -124,7 +124,7 @@ class Transformer(nn.Module):
             for l, c in enumerate(cfg.layer_compression))
         add_hc_head(self, cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.d_model, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTP(cfg, expert_dispatch) for _ in range(cfg.num_mtp_layers))
 
     def _streams(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ class Transformer(nn.Module):
         if cfg.hc_mult:
             hidden = hidden.unflatten(-1, (cfg.hc_mult, cfg.d_model))
         x = mtp.norm(collapse(mtp, hidden, cfg))
-        return self.head(x) if head_rows is None else F.linear(x, head_rows)
+        return self.head(x) if head_rows is None else linear(x, head_rows, self.head.packed)
 
     # -- training ---------------------------------------------------------------------
     def full_forward(self, input_ids: torch.Tensor, with_mtp: bool = False

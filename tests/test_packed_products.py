@@ -1,0 +1,152 @@
+"""Products with packed weights (`model/matmul.py`): the large weights' products run through
+oneDNN on a copy of the weight packed once. The packed product is the same product (to
+float32 rounding), its copy follows the weight (in-place changes, freed and reused memory),
+and where packing does not apply (float64, autograd on) the plain product runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from branchspec.config import v4_mini_v2_config
+from branchspec.model import matmul
+from branchspec.model.init import random_model
+from branchspec.model.layers import Linear, StackedLinear, pack_products, packed_products
+from branchspec.model.metadata import chain_meta
+
+pytestmark = pytest.mark.skipif(not matmul.packed_products_available(), reason="torch built without oneDNN")
+
+
+def packed_calls(fn):
+    """Run fn, returning (its result, how many packed products it ran)."""
+    calls = [0]
+    original = matmul.packed_weight
+
+    def counting(w):
+        calls[0] += 1
+        return original(w)
+
+    matmul.packed_weight = counting
+    try:
+        return fn(), calls[0]
+    finally:
+        matmul.packed_weight = original
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("out_features", [1, 300, 2048])
+def test_packed_product_equals_plain(rows, out_features):
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    w = torch.randn(out_features, 96, generator=gen)
+    x = torch.randn(2, rows, 96, generator=gen)
+    with torch.no_grad():
+        got, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))
+    assert calls == 1 and got.shape == (2, rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    # a strided input (a column slice) is the same product
+    wide = torch.randn(rows, 2 * 96, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(matmul.linear(wide[:, ::2], w, packed=True), F.linear(wide[:, ::2], w),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_packed_copy_follows_its_weight():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 64, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    with torch.no_grad():
+        before = matmul.linear(x, w, packed=True)
+        w.mul_(-2.0)                                   # changed in place: packed again
+        after = matmul.linear(x, w, packed=True)
+    torch.testing.assert_close(after, -2.0 * before, atol=1e-5, rtol=1e-5)
+
+    # A weight freed and another allocated at its address: the stale copy is not used.
+    addresses = {}
+    for seed in range(20):
+        v = torch.randn(512, 64, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            torch.testing.assert_close(matmul.linear(x, v, packed=True), F.linear(x, v), atol=1e-5, rtol=1e-5)
+        addresses[v.data_ptr()] = addresses.get(v.data_ptr(), 0) + 1
+        del v
+    assert max(addresses.values()) > 1, "no address was reused: the stale-copy case did not arise"
+
+
+def test_dead_weights_copies_are_dropped():
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        for seed in range(10):
+            matmul.linear(x, torch.randn(300 + seed, 64), packed=True)   # each freed at once
+    alive = [e for e in matmul._PACKED.values() if not e.storage.expired()]
+    assert len(matmul._PACKED) <= len(alive) + 1
+
+
+def test_plain_product_where_packing_does_not_apply():
+    w = torch.randn(256, 32)
+    x = torch.randn(3, 32)
+    _, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))                   # autograd on
+    assert calls == 0
+    with torch.no_grad():
+        _, calls = packed_calls(lambda: matmul.linear(x.double(), w.double(), packed=True))   # float64
+        assert calls == 0
+        _, calls = packed_calls(lambda: matmul.linear(x, w, packed=False))
+        assert calls == 0
+        _, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))
+        assert calls == 1
+
+
+def test_compiled_graph_calls_the_packed_product():
+    w = torch.randn(1024, 64)
+    x = torch.randn(8, 64)
+
+    def step(x, w):
+        return matmul.linear(x.relu(), w, packed=True).softmax(-1)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got, calls = packed_calls(lambda: compiled(x, w))
+        torch.testing.assert_close(got, F.linear(x.relu(), w).softmax(-1), atol=1e-6, rtol=1e-5)
+    assert calls == 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(v4_mini_v2_config(), seed=0, dtype=torch.float32, expert_dispatch="dense")
+
+
+def forward(model, rows: int = 40):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.cfg.vocab_size, (2, rows), generator=gen)
+    meta = chain_meta(torch.zeros(2, dtype=torch.long), rows, model.cfg.compressed_kinds)
+    with torch.no_grad():
+        return model(ids, meta).logits
+
+
+def test_pack_products_chooses_large_weights(model):
+    m = copy.deepcopy(model)
+    assert pack_products(m) == len(packed_products(m)) > 0
+    names = set(packed_products(m))
+    assert "head" in names and "layers.1.ffn.input_proj" in names     # [8192, 256]; [2564, 256] (dense experts)
+    assert "layers.1.attn.wq_b" not in names                            # [256, 128]: small
+    for name, module in m.named_modules():
+        if isinstance(module, Linear):
+            assert module.packed == (module.weight.numel() >= matmul.PACK_MIN_ELEMENTS), name
+    assert pack_products(m, min_elements=0) == sum(
+        isinstance(x, Linear) for x in m.modules()) + sum(
+        isinstance(v, StackedLinear) for x in m.modules() for v in vars(x).values())
+    assert pack_products(m, on=False) == 0 and packed_products(m) == ()
+
+
+def test_packed_model_equals_unpacked(model):
+    """Every product packed, logits equal the plain products' to float32 rounding; the
+    same greedy tokens at every position."""
+    m = copy.deepcopy(model)
+    pack_products(m, on=False)
+    plain = forward(m)
+    pack_products(m, min_elements=0)
+    packed, calls = packed_calls(lambda: forward(m))
+    assert calls >= 4 * len(m.layers) + 1      # each layer: stacked inputs, wq_b, wo_b, FFN inputs; the head
+    torch.testing.assert_close(packed, plain, atol=2e-4, rtol=1e-4)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
