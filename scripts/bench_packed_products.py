@@ -35,7 +35,8 @@ def main() -> None:
             "plain products": LLM(seed=0, compile=True, max_batch_size=max(args.batch, 4))}
     pack_products(llms["packed"].model, min_elements=args.min_elements)
     pack_products(llms["plain products"].model, on=False)
-    print("packed:", ", ".join(packed_products(llms["packed"].model)), flush=True)
+    print(f"{len(packed_products(llms['packed'].model))} products packed:",
+          ", ".join(packed_products(llms["packed"].model)), flush=True)
     for llm in llms.values():
         for spec in SPECS.values():
             llm.warmup(spec, batch_sizes=(min(args.batch, 2),))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from branchspec.config import v4_mini_v2_config
 from branchspec.model import matmul
 from branchspec.model.init import random_model
-from branchspec.model.layers import Linear, StackedLinear, pack_products, packed_products
+from branchspec.model.layers import JoinedLinear, Linear, StackedLinear, pack_products, packed_products
 from branchspec.model.metadata import chain_meta
 
 pytestmark = pytest.mark.skipif(not matmul.packed_products_available(), reason="torch built without oneDNN")
@@ -128,14 +128,15 @@ def test_pack_products_chooses_large_weights(model):
     m = copy.deepcopy(model)
     assert pack_products(m) == len(packed_products(m)) > 0
     names = set(packed_products(m))
-    assert "head" in names and "layers.1.ffn.input_proj" in names     # [8192, 256]; [2564, 256] (dense experts)
+    # [8192, 256]; with dense experts [2564, 256] and the joined down projections [256, 1280]
+    assert {"head", "layers.1.ffn.input_proj", "layers.1.ffn.down_proj"} <= names
     assert "layers.1.attn.wq_b" not in names                            # [256, 128]: small
     for name, module in m.named_modules():
         if isinstance(module, Linear):
             assert module.packed == (module.weight.numel() >= matmul.PACK_MIN_ELEMENTS), name
     assert pack_products(m, min_elements=0) == sum(
         isinstance(x, Linear) for x in m.modules()) + sum(
-        isinstance(v, StackedLinear) for x in m.modules() for v in vars(x).values())
+        isinstance(v, (StackedLinear, JoinedLinear)) for x in m.modules() for v in vars(x).values())
     assert pack_products(m, on=False) == 0 and packed_products(m) == ()
 
 

@@ -1,6 +1,8 @@
-"""Projections that read the same input run as one stacked matmul at inference; the
-separate weights stay the parameters. The stacked copy follows the weights (in-place
-changes, dtype moves, deep copies), and training never uses it."""
+"""Projections that read the same input run as one stacked matmul at inference, and the
+dense MoE's down projections as one joined matmul; the separate weights stay the
+parameters. The joined copies follow the weights (in-place changes, dtype moves, deep
+copies), and training never uses them. Both expert dispatches: the dense one (the
+compiled path's) has both kinds of copy."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from branchspec.model.layers import build_stacked
 from branchspec.model.metadata import chain_meta
 
 
-@pytest.fixture(scope="module")
-def model():
-    return random_model(v4_mini_v2_config(), seed=0, dtype=torch.float64)
+@pytest.fixture(scope="module", params=["grouped", "dense"])
+def model(request):
+    return random_model(v4_mini_v2_config(), seed=0, dtype=torch.float64, expert_dispatch=request.param)
 
 
 def forward(model, seed: int = 0):
@@ -40,6 +42,7 @@ def test_stacked_copy_follows_in_place_changes(model):
         before = forward(m)
         m.layers[1].attn.indexer.weights_proj.weight.mul_(3.0)   # one weight of a stacked set
         m.layers[2].ffn.gate.weight.add_(0.5)
+        m.layers[3].ffn.experts.w2.mul_(2.0)                      # joined with the shared expert's (dense)
         after = forward(m)
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, forward(m).detach(), atol=1e-12, rtol=0)
@@ -64,5 +67,6 @@ def test_training_reaches_every_weight(model):
     # (40 tokens: the indexer keeps every C4 entry, so its own weights get no gradient)
     attn, ffn = m.layers[1].attn, m.layers[1].ffn
     for w in (attn.wq_a.weight, attn.wkv.weight, attn.compressor.wkv.weight, attn.compressor.wgate.weight,
-              ffn.gate.weight, ffn.shared_experts.w1.weight, ffn.shared_experts.w3.weight):
+              ffn.gate.weight, ffn.shared_experts.w1.weight, ffn.shared_experts.w3.weight, ffn.shared_experts.w2.weight,
+              ffn.experts.w2):
         assert w.grad is not None and w.grad.abs().sum() > 0

@@ -42,59 +42,101 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class StackedLinear:
-    """Linear maps that read the same input, run as one matmul when autograd is off.
-
-    The separate weights stay the model's parameters, so checkpoints, export and training
-    see nothing new; a stacked copy is built on first use and rebuilt whenever one of them
-    moved (`.to()`) or changed in place (loading, an optimiser step). At decode every
-    matmul is mostly call overhead, and a compressed layer's input feeds seven of them.
+class _WeightCopy:
+    """Several weights joined into one matrix for one matmul at inference (`StackedLinear`,
+    `JoinedLinear`), while the separate weights stay the model's parameters, so checkpoints,
+    export and training see nothing new. The copy is built on first use and rebuilt
+    whenever one of them moved (`.to()`) or changed in place (loading, an optimiser step).
     A copy frozen for inference (`build_stacked`, before compiling: compiled code cannot
     check the weights' versions) is used as it is; with autograd on (training, compiled or
-    not) the separate matmuls run, so gradients reach the weights.
-    """
+    not) the separate matmuls run, so gradients reach the weights."""
+
+    dim = 0   # the matrices' dimension the copy joins them along
 
     def __init__(self, weights: Callable[[], list[torch.Tensor]]):
-        self.weights = weights                  # the current [out_i, in] weights, in order
-        self.stacked: torch.Tensor | None = None  # [sum out_i, in]
-        self.sizes: list[int] = []
+        self.weights = weights                  # the current weights, in order
+        self.stacked: torch.Tensor | None = None  # the joined [out, in] matrix
+        self.sizes: list[int] = []              # each weight's share of `dim`
         self.key: tuple = ()
         self.frozen = False                     # built for compiled inference (`build_stacked`)
         self.packed = False                     # multiply by a packed copy (`pack_products`)
 
+    @staticmethod
+    def matrix(w: torch.Tensor) -> torch.Tensor:
+        """A weight as the [out, in] matrix it multiplies by."""
+        raise NotImplementedError
+
     def build(self) -> None:
-        """(Re)build the stacked copy if any weight moved or changed since the last build."""
+        """(Re)build the joined copy if any weight moved or changed since the last build."""
         ws = self.weights()
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
         if key != self.key:
             with torch.no_grad():
-                self.stacked = torch.cat([w.reshape(-1, w.shape[-1]) for w in ws])
-            self.sizes = [w.numel() // w.shape[-1] for w in ws]
+                matrices = [self.matrix(w) for w in ws]
+                self.stacked = torch.cat(matrices, dim=self.dim)
+            self.sizes = [m.shape[self.dim] for m in matrices]
             self.key = key
+
+    def joined(self) -> torch.Tensor:
+        if not self.frozen:
+            self.build()
+        return self.stacked
+
+
+class StackedLinear(_WeightCopy):
+    """Linear maps that read the same input, run as one matmul when autograd is off. At
+    decode every matmul is mostly call overhead, and a compressed layer's input feeds seven
+    of them. Weights: [out_i, in] (or [..., in], flattened to rows)."""
+
+    dim = 0
+
+    @staticmethod
+    def matrix(w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(-1, w.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [..., in] -> one output [..., out_i] per weight."""
         if torch.is_grad_enabled():
-            return [F.linear(x, w.reshape(-1, w.shape[-1])) for w in self.weights()]
-        if not self.frozen:
-            self.build()
-        return list(linear(x, self.stacked, self.packed).split(self.sizes, dim=-1))
+            return [F.linear(x, self.matrix(w)) for w in self.weights()]
+        return list(linear(x, self.joined(), self.packed).split(self.sizes, dim=-1))
+
+
+class JoinedLinear(_WeightCopy):
+    """Linear maps whose outputs add up, y = sum_i x_i @ w_i.T, run as one matmul over the
+    joined inputs when autograd is off: the dense MoE's down projections, every routed
+    expert's and the shared expert's, in one product where there were a batched product
+    over experts, its sum and another product. Weights: [out, in_i] (or [out, ...],
+    flattened to columns)."""
+
+    dim = 1
+
+    @staticmethod
+    def matrix(w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(w.shape[0], -1)
+
+    def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """xs: one input [T, in_i] per weight -> [T, out]."""
+        if torch.is_grad_enabled():
+            return sum(F.linear(x, self.matrix(w)) for x, w in zip(xs, self.weights()))
+        return linear(torch.cat(xs, dim=-1), self.joined(), self.packed)
 
 
 def build_stacked(module: nn.Module) -> None:
-    """Build every StackedLinear copy of `module` and its children now and freeze them for
-    compiled inference: call it before compiling a model whose weights will not change
-    (the copies are no longer checked against the weights, eager calls included)."""
+    """Build every joined copy (`StackedLinear`, `JoinedLinear`) of `module` and its
+    children now and freeze them for compiled inference: call it before compiling a model
+    whose weights will not change (the copies are no longer checked against the weights,
+    eager calls included)."""
     for m in module.modules():
         for value in vars(m).values():
-            if isinstance(value, StackedLinear):
+            if isinstance(value, _WeightCopy):
                 value.build()
                 value.frozen = True
 
 
 def pack_products(module: nn.Module, on: bool = True, min_elements: int = PACK_MIN_ELEMENTS) -> int:
-    """Run the products of `module`'s large weights (`Linear` and `StackedLinear` with at
-    least `min_elements` weights; all of them with 0) on packed copies of their weights
+    """Run the products of `module`'s large weights (`Linear` products and joined copies,
+    `StackedLinear` and `JoinedLinear`, with at least `min_elements` weights; all of them
+    with 0) on packed copies of their weights
     (`matmul.linear`), or none of them (`on=False`). Where packed products are not
     available (torch without oneDNN), nothing changes. Read when a forward runs, so set it
     before compiling. Returns how many products now run packed."""
@@ -105,7 +147,7 @@ def pack_products(module: nn.Module, on: bool = True, min_elements: int = PACK_M
             m.packed = on and m.weight.numel() >= min_elements
             count += m.packed
         for value in vars(m).values():
-            if isinstance(value, StackedLinear):
+            if isinstance(value, _WeightCopy):
                 value.packed = on and sum(w.numel() for w in value.weights()) >= min_elements
                 count += value.packed
     return count
@@ -119,7 +161,7 @@ def packed_products(module: nn.Module) -> tuple[str, ...]:
         if isinstance(m, Linear) and m.packed:
             names.append(name)
         names += [f"{name}.{attr}" for attr, value in vars(m).items()
-                  if isinstance(value, StackedLinear) and value.packed]
+                  if isinstance(value, _WeightCopy) and value.packed]
     return tuple(names)
 
 
@@ -318,23 +360,20 @@ class Experts(nn.Module):
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
-    def dense(self, gate: torch.Tensor, up: torch.Tensor, indices: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token. gate, up: [T, E*I] all experts' w1 and w3
-        projections; each expert's activations are scaled by the token's routing weight (0
-        for experts it did not choose), then all down projections run as one matmul. No
-        shape depends on the routing, so a step compiles into one graph; it does E/k times
-        the routed matmul work, which costs less than the grouped path's per-expert calls
-        while experts are few (the embedded models have 4). The down projections read w2
-        where it lies (one batched matmul over experts, then their sum): flattening it to
-        [d, E*I] copied every expert's weights on every call, the largest kernel of a
-        compiled decode step."""
+    def dense_hidden(self, gate: torch.Tensor, up: torch.Tensor, indices: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+        """Every expert's activations on every token [T, E, I], each scaled by the token's
+        routing weight (0 for experts it did not choose), from gate, up: [T, E*I] all
+        experts' w1 and w3 projections. Multiplied by every expert's w2 and summed (one
+        product with the shared expert's, `MoE.down_proj`), that is the routed experts'
+        output. No shape depends on the routing, so a step compiles into one graph; it does
+        E/k times the routed matmul work, which costs less than the grouped path's
+        per-expert calls while experts are few (the embedded models have 4)."""
         E, I, d = self.w1.shape
         T = gate.shape[0]
         route = torch.zeros(T, E, dtype=gate.dtype, device=gate.device).scatter_add(
             1, indices, weights.to(gate.dtype))                           # [T, E]
-        h = swiglu_hidden(gate.view(T, E, I), up.view(T, E, I), self.limit) * route[..., None]   # [T, E, I]
-        return torch.bmm(h.transpose(0, 1), self.w2.transpose(1, 2)).sum(0)                   # [E, T, d] -> [T, d]
+        return swiglu_hidden(gate.view(T, E, I), up.view(T, E, I), self.limit) * route[..., None]
 
     def _few_tokens(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Decode at batch 1: each token's experts one by one, without sorting or scattering
@@ -352,7 +391,7 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts plus a shared one. `dispatch` ("grouped" or "dense", see
-    `Experts.grouped` and `Experts.dense`) is fixed when the module is built."""
+    `Experts.grouped` and `Experts.dense_hidden`) is fixed when the module is built."""
 
     def __init__(self, cfg: ModelConfig, hashed: bool, dispatch: str = "grouped"):
         super().__init__()
@@ -364,6 +403,8 @@ class MoE(nn.Module):
         # dense, also every routed expert's w1 and w3. (Bound methods, not lambdas, so that
         # a deep copy of the model reads its own weights.)
         self.input_proj = StackedLinear(self._dense_input_weights if dispatch == "dense" else self._input_weights)
+        # Dense: every down projection, the routed experts' and the shared expert's, in one product.
+        self.down_proj = JoinedLinear(self._down_weights) if dispatch == "dense" else None
 
     def _input_weights(self) -> list[torch.Tensor]:
         sh = self.shared_experts
@@ -372,20 +413,27 @@ class MoE(nn.Module):
     def _dense_input_weights(self) -> list[torch.Tensor]:
         return self._input_weights() + [self.experts.w1, self.experts.w3]
 
+    def _down_weights(self) -> list[torch.Tensor]:
+        sh = self.shared_experts
+        return [self.experts.w2.transpose(0, 1)] + ([sh.w2.weight] if sh is not None else [])   # [d, E, I], [d, I]
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x: [..., d]; input_ids: [...] (the hash layers route by them)."""
         flat = x.reshape(-1, x.shape[-1])
         ids = input_ids.reshape(-1)
+        sh = self.shared_experts
         if self.dispatch == "dense":
             logits, *shared, gate, up = self.input_proj(flat)
             weights, indices = self.gate.route(logits, ids)
-            y = self.experts.dense(gate, up, indices, weights)
-        else:
-            logits, *shared = self.input_proj(flat)
-            weights, indices = self.gate.route(logits, ids)
-            y = self.experts.grouped(flat, indices, weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts.down(*shared)
+            hidden = [self.experts.dense_hidden(gate, up, indices, weights).flatten(1)]   # [T, E*I]
+            if sh is not None:
+                hidden.append(swiglu_hidden(*shared, sh.limit))                         # [T, I]
+            return self.down_proj(hidden).view(x.shape)
+        logits, *shared = self.input_proj(flat)
+        weights, indices = self.gate.route(logits, ids)
+        y = self.experts.grouped(flat, indices, weights)
+        if sh is not None:
+            y = y + sh.down(*shared)
         return y.view(x.shape)
 
 
