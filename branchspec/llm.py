@@ -158,6 +158,17 @@ class LLM:
             raise FileNotFoundError(f"the embedded default checkpoint is missing at {path}; "
                                     "pass a checkpoint folder: LLM('path/to/checkpoint')")
         self.path = path
+        self.seed = seed
+        # Weights, pools and engine state are made as normal tensors even when this runs
+        # under torch.inference_mode: inference tensors could not be written in place by a
+        # later call outside it, and keep no version counter to tell a changed weight by.
+        with torch.inference_mode(False):
+            self._build(path, dtype, compile, device, speculative_token_map)
+        self.last_stats = GenerateStats()
+        self._lock = threading.Lock()              # one call at a time owns the engine
+        self._holder: tuple[int, str] | None = None   # (thread, what) of the owner
+
+    def _build(self, path: Path, dtype: str, compile: bool, device: str, speculative_token_map) -> None:
         self.model = load_checkpoint(path, dtype, expert_dispatch=expert_dispatch(compile)).to(device)
         pack_products(self.model)     # the large weights' products through oneDNN (model/matmul.py)
         self.tokenizer = None
@@ -170,11 +181,7 @@ class LLM:
                                  f"config.json's vocab_size is {self.model.cfg.vocab_size}; the model "
                                  "cannot embed the extra ids")
         self.draft_vocab = self._draft_vocab(speculative_token_map)
-        self.seed = seed
         self.engine = self._build_engine()
-        self.last_stats = GenerateStats()
-        self._lock = threading.Lock()              # one call at a time owns the engine
-        self._holder: tuple[int, str] | None = None   # (thread, what) of the owner
 
     # -- one call at a time -------------------------------------------------------------
     def claim(self, what: str, blocking: bool = True) -> None:
@@ -197,9 +204,13 @@ class LLM:
 
     @contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
+        """Own the engine for one call, outside `torch.inference_mode` even when the caller
+        is in it: the engine's tensors are normal ones (see __init__), and a compiled step
+        traced in inference mode would fail its guards, and recompile, everywhere else."""
         self.claim(what)
         try:
-            yield
+            with torch.inference_mode(False):
+                yield
         finally:
             self.release()
 

@@ -104,6 +104,22 @@ def test_compiled_mixed_batches_equal_eager(llms):
     assert fast.engine.cache.tables == {}
 
 
+def test_callers_in_inference_mode_run_the_same_graphs(llms, ckpt):
+    """An LLM used (or even built) under torch.inference_mode runs its calls outside it:
+    the compiled steps' guards hold, nothing recompiles, and an LLM built inside still
+    runs outside, where inference tensors could not be written in place."""
+    eager, fast, _ = llms
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in eager.generate(PROMPTS[:2], params, spec=TREE)]
+    before = compilations()
+    with torch.inference_mode():
+        assert [o.token_ids for o in fast.generate(PROMPTS[:2], params, spec=TREE)] == ref
+        built_inside = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
+        assert [o.token_ids for o in built_inside.generate(PROMPTS[:2], params, spec=TREE)] == ref
+    assert compilations() == before, "a compiled step recompiled for a caller in inference mode"
+    assert [o.token_ids for o in built_inside.generate(PROMPTS[:2], params, spec=TREE)] == ref
+
+
 def test_compile_flag_is_checked():
     from branchspec.config import EngineConfig
 

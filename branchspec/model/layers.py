@@ -12,7 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from branchspec.config import ModelConfig
-from branchspec.model.matmul import PACK_MIN_ELEMENTS, linear, packed_products_available
+from branchspec.model.matmul import PACK_MIN_ELEMENTS, linear, packed_products_available, weight_version
 
 
 class Linear(nn.Linear):
@@ -69,7 +69,7 @@ class _WeightCopy:
     def build(self) -> None:
         """(Re)build the joined copy if any weight moved or changed since the last build."""
         ws = self.weights()
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        key = tuple((w.data_ptr(), weight_version(w), w.dtype) for w in ws)
         if key != self.key:
             with torch.no_grad():
                 matrices = [self.matrix(w) for w in ws]

@@ -36,6 +36,13 @@ def packed_products_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
+def weight_version(w: torch.Tensor) -> int | None:
+    """w's version counter, which every in-place change bumps; None for an inference tensor
+    (made under `torch.inference_mode`), which keeps none, so that a copy of it is taken as
+    current for as long as its memory holds it."""
+    return None if w.is_inference() else w._version
+
+
 class _Packed:
     """One weight's packed copy, and what tells that it is still that weight's."""
 
@@ -43,12 +50,12 @@ class _Packed:
 
     def __init__(self, w: torch.Tensor):
         self.storage = StorageWeakRef(w.untyped_storage())
-        self.version = w._version
+        self.version = weight_version(w)
         self.shape, self.stride, self.offset = w.shape, w.stride(), w.storage_offset()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
 
     def holds(self, w: torch.Tensor) -> bool:
-        return (not self.storage.expired() and self.version == w._version and self.shape == w.shape
+        return (not self.storage.expired() and self.version == weight_version(w) and self.shape == w.shape
                 and self.stride == w.stride() and self.offset == w.storage_offset())
 
 
