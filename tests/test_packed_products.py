@@ -74,6 +74,34 @@ def test_packed_copy_follows_its_weight():
     assert max(addresses.values()) > 1, "no address was reused: the stale-copy case did not arise"
 
 
+def test_stale_copy_check_is_what_catches_a_change(monkeypatch):
+    """Negative control: with the check that a copy still mirrors its weight switched off,
+    a product after an in-place change uses the old copy and is wrong."""
+    w = torch.randn(512, 64)
+    x = torch.randn(4, 64)
+    monkeypatch.setattr(matmul._Packed, "holds", lambda self, w: True)
+    with torch.no_grad():
+        before = matmul.linear(x, w, packed=True)
+        w.mul_(-2.0)
+        after = matmul.linear(x, w, packed=True)
+    assert torch.allclose(after, before)                  # the stale copy was used
+    assert not torch.allclose(after, F.linear(x, w), atol=1e-3)
+
+
+def test_weights_made_under_inference_mode():
+    """Inference tensors keep no version counter: their packed and joined copies are
+    taken as current for as long as the memory holds them, and the products are right."""
+    with torch.inference_mode():
+        w, v = torch.randn(512, 64), torch.randn(300, 64)
+        x = torch.randn(4, 64)
+        torch.testing.assert_close(matmul.linear(x, w, packed=True), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        stacked = StackedLinear(lambda: [w, v])
+        stacked.packed = True
+        a, b = stacked(x)
+        torch.testing.assert_close(a, F.linear(x, w), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b, F.linear(x, v), atol=1e-5, rtol=1e-5)
+
+
 def test_dead_weights_copies_are_dropped():
     x = torch.randn(2, 64)
     with torch.no_grad():
