@@ -5,8 +5,8 @@ called in turn (configuration by configuration, repeat by repeat) so that both s
 same machine. Greedy, one GSM8K prompt repeated to the batch, 96 tokens. Prints medians,
 their ranges and the phases, whether both gave the same tokens, then one line of JSON.
 
-With --alone it instead times each distinct product of the model by itself, eagerly: every
-weight shape the model multiplies by (joined copies included), over 1, 8 and 32 rows,
+With --alone it instead times each distinct product of the fast path's model by itself,
+eagerly: every weight shape it multiplies by (joined copies included), over 1, 8 and 32 rows,
 `F.linear` against the packed operator, medians of many calls in turn.
 
     python scripts/bench_packed_products.py [--batch 1] [--repeats 5] [--min-elements N]
@@ -47,7 +47,7 @@ def product_shapes(model: torch.nn.Module) -> dict[tuple[int, int], list[str]]:
 
 def time_alone(calls: int = 200) -> None:
     """Each distinct product by itself, F.linear (MKL) against packed (oneDNN), eagerly."""
-    model = LLM(seed=0).model
+    model = LLM(seed=0, compile=True).model    # the fast path's model: the dense expert dispatch
     print(f"torch threads {torch.get_num_threads()}; µs per product, medians of {calls} calls in turn")
     print(f"{'[out, in]':>13} {'rows':>4} {'F.linear':>9} {'packed':>8} {'ratio':>6}  e.g.")
     results = []
