@@ -299,15 +299,19 @@ def calibration_contexts(max_position: int, most_tokens: int) -> tuple[int, ...]
     return tuple(sorted({max(1, min(c, room)) for c in CONTEXTS}))
 
 
-def _median_seconds(run, repeats: int) -> float:
-    """Median wall time of `run()` over `repeats` calls after one untimed warm-up call."""
-    times = []
+def _median_seconds(runs: list, repeats: int) -> list[float]:
+    """Median wall time of each of `runs` over `repeats` calls, after one untimed warm-up
+    call each, the calls taken in turn (one of each run per pass): on a shared machine a
+    slow spell then falls on every run alike, so the ratios between them, which are what
+    the policy compares, hold even when the absolute times move."""
+    times = [[] for _ in runs]
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        run()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for run, ts in zip(runs, times):
+            t0 = time.perf_counter()
+            run()
+            if i:
+                ts.append(time.perf_counter() - t0)
+    return [float(np.median(ts)) for ts in times]
 
 
 @torch.no_grad()
@@ -358,12 +362,12 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
                 for b, sid in enumerate(ids):
                     drafter.states[sid] = DrafterState(last_hidden=out.hidden[b, -1])
             call = _Calls(ex, drafter, out.hidden[:, -1:], ids, L, gen)
-            for name, keys in tokens.items():
-                for j, key in enumerate(keys):
-                    run = call.draft(growths[key]) if name == "draft" else call.of(name, int(key))
-                    grids[name][i, j, k] = _median_seconds(run, repeats)
-                    if bar is not None:
-                        bar.update(1)
+            cells = [(name, j, call.draft(growths[key]) if name == "draft" else call.of(name, int(key)))
+                     for name, keys in tokens.items() for j, key in enumerate(keys)]
+            for (name, j, _), seconds in zip(cells, _median_seconds([run for *_, run in cells], repeats)):
+                grids[name][i, j, k] = seconds
+            if bar is not None:
+                bar.update(len(cells))
     if bar is not None:
         bar.close()
     return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
@@ -428,7 +432,7 @@ class _Calls:
 def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
     """What a calibration depends on: the model's shape and dtype, the execution path, the
     grids, the drafted vocabulary, the machine and its thread count, the torch build, and
-    the code whose calls it times (`source_digest`)."""
+    the code whose calls it times (`source_digest`) and this module, which times them."""
     model = executor.model
     cpu = platform.processor() or platform.machine()
     try:
@@ -442,7 +446,8 @@ def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], voc
                        "device": str(model.embed.weight.device), "execution": executor.name,
                        "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
                        "draft_vocab": vocab_size, "threads": torch.get_num_threads(), "cpu": cpu,
-                       "torch": torch.__version__, "source": source_digest()}, sort_keys=True)
+                       "torch": torch.__version__, "source": source_digest(),
+                       "timing": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
