@@ -276,9 +276,13 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.down(*self.input_proj(x))
 
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activations w2 reads, from the input's w1 (gate) and w3 (up) projections."""
+        return swiglu_hidden(gate, up, self.limit)
+
     def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The rest of the block, from the input's w1 (gate) and w3 (up) projections."""
-        return F.linear(swiglu_hidden(gate, up, self.limit), self.w2.weight)
+        return F.linear(self.hidden(gate, up), self.w2.weight)
 
 
 _SCORE_FUNCS = {
@@ -427,7 +431,7 @@ class MoE(nn.Module):
             weights, indices = self.gate.route(logits, ids)
             hidden = [self.experts.dense_hidden(gate, up, indices, weights).flatten(1)]   # [T, E*I]
             if sh is not None:
-                hidden.append(swiglu_hidden(*shared, sh.limit))                         # [T, I]
+                hidden.append(sh.hidden(*shared))                                       # [T, I]
             return self.down_proj(hidden).view(x.shape)
         logits, *shared = self.input_proj(flat)
         weights, indices = self.gate.route(logits, ids)
