@@ -17,6 +17,7 @@ from branchspec.cache.paged import PagedState
 from branchspec.config import SpecConfig
 from branchspec.engine.request import Sequence
 from branchspec.execution import Executor
+from branchspec.execution.threads import one_row_products
 from branchspec.execution.timing import PhaseClock
 from branchspec.logits_process import LogitsRules, NodePaths, process_logits
 from branchspec.model.metadata import chain_meta
@@ -241,7 +242,8 @@ class ModelRunner:
         clock = PhaseClock(self.sync)
         ids, L = batch.seq_ids, batch.lengths
         roots = batch.roots[:, None]                                          # [B, 1]
-        out = self.executor.decode(roots, ids, L)          # fed through the target and committed
+        with one_row_products(batch.size, L.device):     # one row a product: MKL on one thread
+            out = self.executor.decode(roots, ids, L)      # fed through the target and committed
         clock.lap("verify")
         logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
         # The root sits at position L: the token drawn is at L + 1.

@@ -22,6 +22,7 @@ import torch
 
 from branchspec.config import SpecConfig, spec_label
 from branchspec.disk_cache import cache_dir, source_digest
+from branchspec.execution.threads import one_row_products
 from branchspec.speculative.policy.tuning import TUNING, Tuning
 
 # The calls a round makes, each timed on its own grid: "target" the plain decode step (1
@@ -396,8 +397,11 @@ class _Calls:
         new = self._tokens(n)
         B = len(ids)
         if name == "target":
-            if n == 1:
-                return lambda: ex.decode(new, ids, L)
+            if n == 1:     # as the runner runs it (`engine.runner.ModelRunner.decode`)
+                def plain():
+                    with one_row_products(B, L.device):
+                        return ex.decode(new, ids, L)
+                return plain
             parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
             # As a round's verify runs, its greedy commit included (written to the sink here:
             # the private state stays as it is).
