@@ -21,7 +21,9 @@ needs_mkl = pytest.mark.skipif(not mkl_local_threads_available(), reason="torch 
 
 @pytest.fixture(autouse=True)
 def two_threads():
+    """torch, and with it this thread's MKL, on two threads; restored afterwards."""
     n = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(n)
 
