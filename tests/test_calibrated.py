@@ -2,6 +2,7 @@
 sampled following the target's distribution; invariant S is checked with the other trees in
 test_spec_decode), and the trees it keeps follow the acceptance it measured."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from branchspec.checkpoint import save_checkpoint
 from branchspec.config import SamplingParams, SpecConfig, tiny_config
 from branchspec.llm import LLM
 from branchspec.model.init import random_model
-from branchspec.speculative.calibration import GREEDY, HITS, MASS, MAX_DEPTH, AcceptanceModel
+from branchspec.speculative.calibration import GREEDY, HITS, MASS, MAX_DEPTH, TRIES, AcceptanceModel
 from conftest import markov_batches
 from helpers import chi2_p_value, second_and_third_token_counts
 
@@ -126,3 +127,78 @@ def test_observe_counts_tries_and_hits_by_line_depth_rank_and_bucket():
     assert not torch.equal(model.edge_log_values(log_c, 1, torch.zeros(1, 1, dtype=torch.bool), logp[:, :1]), values)
     model.forget(3)
     assert model.counts(3) is None
+
+
+def _random_rounds(seed: int, n: int = 300):
+    """Rounds as an engine observes them: batches of distinct requests (some met again),
+    greedy and sampled mixed, trees of different depth and width, paths of every length."""
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(n):
+        B, D, k = int(rng.integers(1, 5)), int(rng.integers(2, 9)), int(rng.integers(1, 4))
+        ids = [int(i) for i in rng.choice(9, size=B, replace=False)]
+        modes = [int(m) for m in rng.integers(0, 2, size=B)]
+        children = rng.integers(0, 4, size=(B, D, k))
+        children[rng.random((B, D, k)) < 0.2] = -1
+        logp = np.log(rng.uniform(0.01, 1.0, size=(B, D, k)))
+        targets = rng.integers(0, 4, size=(B, D))
+        for b, n_path in enumerate(rng.integers(1, D + 1, size=B)):
+            targets[b, n_path:] = -1
+        rounds.append((ids, modes, children, logp, targets))
+    return rounds
+
+
+def _learnt(rounds, refresh: int) -> AcceptanceModel:
+    model = AcceptanceModel(decay=0.002)       # fast decay: the rows' scales fold back in
+    model.REFRESH_ROUNDS = refresh
+    for r in rounds:
+        model.observe(*r)
+    return model
+
+
+def test_rounds_learnt_together_equal_one_at_a_time():
+    """Rounds are learnt `REFRESH_ROUNDS` at a time in one pass; that gives what learning
+    each round alone gives (request and engine-wide counts alike, including rows whose
+    scale fell under 1e-100 and was folded back in); learning them in another order
+    does not (the negative control: the comparison can tell)."""
+    rounds = _random_rounds(seed=3)
+    alone, together = _learnt(rounds, refresh=1), _learnt(rounds, refresh=4)
+    np.testing.assert_allclose(together.global_counts.numpy(), alone.global_counts.numpy(), rtol=1e-9)
+    for sid in range(9):
+        if alone.counts(sid) is None:
+            continue
+        np.testing.assert_allclose(together.counts(sid).numpy(), alone.counts(sid).numpy(), rtol=1e-9, atol=1e-300)
+    # some request's scale fell under 1e-100 and was folded back in (else it would be decay ** rounds)
+    seen = {sid: sum(sid in r[0] for r in rounds) for sid in alone._rows}
+    assert any(together._scale.numpy()[together._rows[sid]] > 1e6 * together.decay ** n for sid, n in seen.items())
+    shuffled = _learnt(rounds[::-1], refresh=4)
+    assert not np.allclose(shuffled.global_counts.numpy(), alone.global_counts.numpy(), rtol=1e-9)
+
+
+def test_a_round_observed_as_it_is_equals_its_path_observations():
+    """`observe_round` (a round's own tensors, gathered along its paths when learnt) teaches
+    what `observe` does with the path observations written out one by one."""
+    rng = np.random.default_rng(5)
+    B, N, k = 3, 7, 2
+    children = torch.from_numpy(rng.integers(0, 5, size=(B, N, k)))
+    logp = torch.from_numpy(np.log(rng.uniform(0.05, 1.0, size=(B, N, k))))
+    tokens = torch.from_numpy(rng.integers(0, 5, size=(B, N)))
+    path = torch.tensor([[0, 2, 5, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0], [0, 1, 3, 4, 6, 0, 0]])
+    path_len, bonus = torch.tensor([3, 1, 5]), torch.tensor([4, 1, 0])
+    path_tokens = tokens.gather(1, path)
+    by_round, by_hand = AcceptanceModel(), AcceptanceModel()
+    by_round.observe_round([1, 2, 3], [GREEDY] * B, children, logp, path, path_len, bonus, path_tokens)
+    targets = torch.full((B, N), -1)
+    for b in range(B):
+        n = int(path_len[b])
+        for i in range(n):
+            targets[b, i] = path_tokens[b, i + 1] if i < n - 1 else bonus[b]
+    rows = torch.arange(B)[:, None]
+    by_hand.observe([1, 2, 3], [GREEDY] * B, children[rows, path], logp[rows, path], targets)
+    for sid in (1, 2, 3):
+        assert torch.equal(by_round.counts(sid), by_hand.counts(sid))
+    assert sum(float(by_round.counts(s)[TRIES].sum()) for s in (1, 2, 3)) > 0, "the round was learnt"
+    # negative control: another path teaches otherwise
+    other = AcceptanceModel()
+    other.observe_round([1, 2, 3], [GREEDY] * B, children, logp, path.roll(1, dims=1), path_len, bonus, path_tokens)
+    assert not all(torch.equal(other.counts(s), by_hand.counts(s)) for s in (1, 2, 3))

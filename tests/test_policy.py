@@ -44,8 +44,8 @@ def observe(policy, spec, seq_ids, seconds, children=None, targets=None, path_le
     runs one: the round teaches the acceptance, then policy.observe."""
     if spec is not None and children is not None:
         teach(policy.acceptance, seq_ids, children, targets)
-    result = RoundResult(spec=spec, emitted=[], path_len=path_len or [1] * len(seq_ids), path_children=children,
-                         path_targets=targets, seconds=seconds)
+    result = RoundResult(spec=spec, emitted=[], path_len=path_len or [1] * len(seq_ids),
+                         learnt=spec is not None and children is not None, seconds=seconds)
     policy.observe(BatchView(seq_ids, [0] * len(seq_ids), [], context), result)
 
 

@@ -80,6 +80,35 @@ def marginal_prior(max_rank: int) -> torch.Tensor:
     return torch.stack([main, main * PRIOR_OFF_LINE])
 
 
+def _along_path(children: torch.Tensor, children_logp: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor,
+                bonus: torch.Tensor, path_tokens: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A round's observations along its accepted paths (`AcceptanceModel.observe_round`):
+    the proposals after each path node [B, D, k], their log-probabilities [B, D, k], and
+    the target's token there [B, D] (the next path token, then the bonus; -1 past it)."""
+    path, n = path.cpu().numpy(), path_len.cpu().numpy()                 # [B, D], [B]
+    B, D = path.shape
+    rows = np.arange(B)[:, None]
+    targets = np.full((B, D), -1, dtype=np.int64)
+    targets[:, :-1] = path_tokens.cpu().numpy()[:, 1:]
+    targets[np.arange(D)[None] >= (n - 1)[:, None]] = -1
+    targets[np.arange(B), n - 1] = bonus.cpu().numpy()
+    return children.cpu().numpy()[rows, path], children_logp.cpu().numpy()[rows, path], targets
+
+
+def _stacked(arrays: list[np.ndarray], fill) -> np.ndarray:
+    """Rounds' arrays [B_i, D_i(, k_i)] one above another [sum of B_i, max D(, max k)],
+    shorter ones padded with `fill` (a proposal or target of -1 is no try)."""
+    shape = tuple(max(a.shape[d] for a in arrays) for d in range(1, arrays[0].ndim))
+    if all(a.shape[1:] == shape for a in arrays):
+        return np.concatenate(arrays)
+    out = np.full((sum(len(a) for a in arrays), *shape), fill, dtype=arrays[0].dtype)
+    start = 0
+    for a in arrays:
+        out[(slice(start, start + len(a)), *(slice(0, n) for n in a.shape[1:]))] = a
+        start += len(a)
+    return out
+
+
 class AcceptanceModel:
     """The engine's measured acceptance: decayed counts by (mode, request, main line,
     depth, rank, probability bucket), read two ways.
@@ -126,12 +155,15 @@ class AcceptanceModel:
         # tries such that each (line, depth, rank)'s prior hits / tries is the marginal prior
         tries = hits / marginal_prior(self.R)[..., None]
         self.prior = torch.stack([hits, hits, tries])                        # [3, *shape]: hits, mass, tries
+        self._cells = self.prior[0].numel()                                 # cells in one table
         self._global = self.prior.expand(2, *self.prior.shape).clone()  # [modes, 3, *shape]
         self._rows: dict[int, int] = {}
         self._free: list[int] = []
         self._tables = torch.zeros(1, *self.prior.shape, dtype=torch.float64)    # [rows, 3, *shape] / scale
         self._scale = torch.ones(1, dtype=torch.float64)                           # [rows]
-        self._pending: list[tuple] = []      # rounds observed, not yet learnt
+        # rounds observed, not yet learnt: (ids, modes, children, logp, targets) as `observe`
+        # takes them, or (ids, modes, the round's own tensors) from `observe_round`
+        self._pending: list[tuple] = []
         self._factors: tuple | None = None   # (key, log factors) the selection read last
 
     @property
@@ -151,11 +183,11 @@ class AcceptanceModel:
         return self.prior[MASS]
 
     # -- rows ----------------------------------------------------------------------------
-    def _lookup(self, seq_ids: list[int]) -> torch.Tensor:
+    def _lookup(self, seq_ids: list[int]) -> np.ndarray:
         """Each request's row, 0 (all zero) for one without counts."""
-        return torch.tensor([self._rows.get(s, 0) for s in seq_ids], dtype=torch.long)
+        return np.fromiter((self._rows.get(s, 0) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
 
-    def _rows_for(self, seq_ids: list[int]) -> torch.Tensor:
+    def _rows_for(self, seq_ids: list[int]) -> np.ndarray:
         """Each request's row, a fresh zero one for a request without counts."""
         for sid in seq_ids:
             if sid not in self._rows:
@@ -193,7 +225,7 @@ class AcceptanceModel:
         counts [B, T, 2, depth, ranks, buckets] as stored (zero for a request without), the
         scale [B, 1, 1, 1, 1] they are stored divided by, the engine-wide counts of its mode
         [B, T, ...] (never 0 / 0, however long a cell went unseen) and the prior [T, ...]."""
-        rows = self._lookup(seq_ids).numpy()
+        rows = self._lookup(seq_ids)
         t = np.array(tables)
         own = self._tables.numpy()[:, :, :, :depth, :ranks][rows[:, None], t]
         prior = self.prior.numpy()[t][..., :depth, :ranks, :]
@@ -242,33 +274,54 @@ class AcceptanceModel:
 
     # -- learning ------------------------------------------------------------------------
     @torch.no_grad()
-    def observe(self, seq_ids: list[int], modes: list[int], children: torch.Tensor, children_logp: torch.Tensor,
-                targets: torch.Tensor) -> None:
+    def observe(self, seq_ids: list[int], modes: list[int], children: torch.Tensor | np.ndarray,
+                children_logp: torch.Tensor | np.ndarray, targets: torch.Tensor | np.ndarray) -> None:
         """One verified round over distinct requests: children [B, D, k] the drafter's
         proposals after each accepted-path node (-1: not expanded), children_logp [B, D, k]
         their drafter log-probabilities (at each request's temperature), targets [B, D] the
-        target's token at each path node (-1 past the path). Learnt with the next
-        `REFRESH_ROUNDS` - 1 rounds, or when something reads the model."""
-        tensors = (t.to("cpu", copy=True) for t in (children, children_logp, targets))
-        self._pending.append((list(seq_ids), list(modes), *tensors))
+        target's token at each path node (-1 past the path); tensors or numpy arrays, copied.
+        Learnt with the next `REFRESH_ROUNDS` - 1 rounds, or when something reads the model."""
+        arrays = (t.cpu().numpy().copy() if isinstance(t, torch.Tensor) else np.array(t)
+                  for t in (children, children_logp, targets))
+        self._pending.append((list(seq_ids), list(modes), *arrays))
+        if len(self._pending) >= self.REFRESH_ROUNDS:
+            self._learn_pending()
+
+    def observe_round(self, seq_ids: list[int], modes: list[int], children: torch.Tensor,
+                      children_logp: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor,
+                      path_tokens: torch.Tensor) -> None:
+        """One verified round as the round holds it: every tree node's proposals children
+        [B, N, k] (-1: not expanded) and their log-probabilities, the accepted path's node
+        indices path [B, D] (path_len [B] of them valid, root first), the bonus token [B]
+        and the path's tokens [B, D]. The same observations as `observe`'s (the proposals
+        after each path node, the target's token there: the next path token, then the
+        bonus), gathered along the path when the round is learnt. A round's own share is
+        then no work at all: between a round's compiled graphs a few small gathers cost
+        several times what they cost alone (about 0.2 ms a round at batch 1, AMD EPYC).
+        The tensors are kept, not copied: a round's outputs are its own."""
+        raw = (children, children_logp, path, path_len, bonus, path_tokens)
+        self._pending.append((list(seq_ids), list(modes), raw))
         if len(self._pending) >= self.REFRESH_ROUNDS:
             self._learn_pending()
 
     def _learn_pending(self) -> None:
-        """Learn the rounds observed so far, in order, one after another."""
+        """Learn the rounds observed so far (`_learn_rounds`)."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        for round_ in pending:
-            self._learn(*round_)
+        self._learn_rounds([(r[0], r[1], *_along_path(*r[2])) if isinstance(r[2], tuple) else r for r in pending])
         self._factors = None
 
-    def _learn(self, seq_ids: list[int], modes: list[int], children: torch.Tensor, children_logp: torch.Tensor,
-               targets: torch.Tensor) -> None:
+    def _round_cells(self, children: np.ndarray, children_logp: np.ndarray, targets: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """What one round adds, (hits, mass, tries) in turn: where in a [3, *cells] block
+        each addition goes [3, B, n] and what it adds [3, B, n] (a hit 1, mass p, a try 1;
+        0 where the child was not a try: adding zeros costs less than selecting the tries
+        out first)."""
         D, k = min(children.shape[1], MAX_DEPTH), min(children.shape[2], self.R)
-        ch = children[:, :D, :k].cpu().numpy()
-        p = np.exp(children_logp[:, :D, :k].cpu().numpy().astype(np.float64))
-        tg = targets[:, :D, None].cpu().numpy()
+        ch = children[:, :D, :k]
+        p = np.exp(children_logp[:, :D, :k].astype(np.float64))
+        tg = targets[:, :D, None]
         B = ch.shape[0]
         valid = (ch >= 0) & (tg >= 0)                                       # [B, D, k]
         hit = valid & (ch == tg)
@@ -280,31 +333,54 @@ class AcceptanceModel:
         buckets = len(self.edges) + 1
         bucket = np.searchsorted(self._edges_np, p, side="left")            # as `bucket_of`
         cell = ((line * MAX_DEPTH + depth) * self.R + rank) * buckets + bucket   # [B, D, k] in a table
-        size = self.prior[0].numel()
-        rows = self._rows_for(seq_ids).numpy()
-        scale = self._scale.numpy()
-        scale[rows] *= self.decay
-        tiny = rows[scale[rows] < 1e-100]                 # fold a long-lived row's scale back in
-        if len(tiny):
-            self._tables.numpy()[tiny] *= scale[tiny].reshape(-1, *([1] * (self._tables.dim() - 1)))
-            scale[tiny] = 1.0
-        # Every addition of the round at once, (hits, mass, tries) in turn: where in a
-        # [3, *cells] block it goes and what it adds (a hit 1, mass p, a try 1; 0 where the
-        # child was not a try), to each request's rows (in the stored units: divided by
-        # the row's scale) and to its mode's engine-wide counts. Adding zeros costs less
-        # than selecting the tries out first.
-        where = (np.array([HITS, MASS, TRIES]).reshape(3, 1, 1, 1) * size + cell).reshape(3, B, -1)
+        where = (np.array([HITS, MASS, TRIES]).reshape(3, 1, 1, 1) * self._cells + cell).reshape(3, B, -1)
         amount = np.stack([hit, np.where(valid, p, 0.0), valid]).astype(np.float64).reshape(3, B, -1)
-        block = 3 * size
-        np.add.at(self._tables.numpy().reshape(-1), rows.reshape(1, B, 1) * block + where,
-                  amount / scale[rows].reshape(1, B, 1))
-        # Engine-wide: one decay every batch-size rounds, with a memory of at least
-        # `global_memory` rounds (at batch 1 the one request's last ten rounds are too few).
-        gd = max(self.decay ** (1.0 / B), 1.0 - 1.0 / self.global_memory)
-        wide = self._global.numpy()
-        for m in set(modes):
-            wide[m] *= gd
-        np.add.at(wide.reshape(-1), np.array(modes, dtype=np.int64).reshape(1, B, 1) * block + where, amount)
+        return where, amount
+
+    def _learn_rounds(self, rounds: list[tuple]) -> None:
+        """Learn `rounds` (as `observe` queued them) in one pass, with what learning them one
+        after another would give (up to rounding): each round decays its requests' own
+        counts by `decay` and then adds to them, and decays its modes' engine-wide counts by
+        one batch-size-th of that (at least `global_memory` rounds of memory: at batch 1 the
+        one request's last ten rounds are too few) and then adds to them. Each round costs
+        a string of small numpy operations, so a round's fixed share of them is paid once
+        for all."""
+        rows = [self._rows_for(r[0]) for r in rounds]     # may grow the tables: views after
+        modes = [np.asarray(r[1], dtype=np.int64) for r in rounds]
+        present = [sorted(set(r[1])) for r in rounds]     # each round's modes
+        tables, scale, wide = self._tables.numpy(), self._scale.numpy(), self._global.numpy()
+        block = 3 * self._cells
+        where, amount = self._round_cells(*(_stacked([r[i] for r in rounds], fill) for i, fill in
+                                            ((2, -1), (3, 0.0), (4, -1))))          # [3, sum of B, n]
+
+        # A request's counts are stored divided by its row's scale, which each of its rounds
+        # multiplies by `decay`: a round's additions are divided by the scale after it. A
+        # long-lived row whose scale fell under 1e-100 has it folded back in afterwards.
+        divisors = []
+        for r in rows:                     # a round's requests are distinct
+            scale[r] *= self.decay
+            divisors.append(scale[r])
+        every = np.concatenate(rows)
+        np.add.at(tables.reshape(-1), every.reshape(1, -1, 1) * block + where,
+                  amount / np.concatenate(divisors).reshape(1, -1, 1))
+        tiny = every[scale[every] < 1e-100]
+        if len(tiny):
+            tiny = np.unique(tiny)
+            tables[tiny] *= scale[tiny].reshape(-1, *([1] * (tables.ndim - 1)))
+            scale[tiny] = 1.0
+
+        # Engine-wide: a round's additions are decayed by the later rounds of their mode.
+        decays = [max(self.decay ** (1.0 / len(r)), 1.0 - 1.0 / self.global_memory) for r in rows]
+        later = np.ones((len(rounds), wide.shape[0]))                      # [rounds, modes]
+        for i in range(len(rounds) - 2, -1, -1):
+            later[i] = later[i + 1]
+            later[i, present[i + 1]] *= decays[i + 1]
+        whole = later[0].copy()
+        whole[present[0]] *= decays[0]
+        wide *= whole.reshape(-1, *([1] * (wide.ndim - 1)))
+        mode = np.concatenate(modes)
+        np.add.at(wide.reshape(-1), mode.reshape(1, -1, 1) * block + where,
+                  amount * np.concatenate([later[i, m] for i, m in enumerate(modes)]).reshape(1, -1, 1))
 
     def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
         """`rounds` rounds without drafts over these requests: each one's own counts decay
@@ -314,7 +390,7 @@ class AcceptanceModel:
         self._learn_pending()
         self._factors = None
         rows = self._lookup(seq_ids)
-        self._scale[rows[rows > 0]] *= self.decay ** rounds
+        self._scale.numpy()[rows[rows > 0]] *= self.decay ** rounds
         drift = (1.0 - rate) ** rounds
         for m in set(modes):
             self._global[m] = drift * self._global[m] + (1.0 - drift) * self.prior

@@ -136,7 +136,8 @@ class Drafter(Protocol):
                 temperature: list[float] | None = None) -> DraftTree: ...
 
     def learn(self, seq_ids: list[int], temperature: list[float], children: torch.Tensor,
-              children_logp: torch.Tensor, targets: torch.Tensor) -> None: ...
+              children_logp: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor,
+              path_tokens: torch.Tensor) -> None: ...
 
     def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,
                path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None: ...
@@ -289,12 +290,14 @@ class MTPDrafter:
                           scale)
 
     def learn(self, seq_ids: list[int], temperature: list[float], children: torch.Tensor,
-              children_logp: torch.Tensor, targets: torch.Tensor) -> None:
-        """What a verified round says about acceptance (`calibration.AcceptanceModel.observe`):
-        the proposals after each accepted-path node [B, D, k], their log-probabilities, and
-        the target's token there [B, D]."""
-        self.calibration.observe(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temperature], children,
-                                 children_logp, targets)
+              children_logp: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor,
+              path_tokens: torch.Tensor) -> None:
+        """What a verified round says about acceptance (`calibration.AcceptanceModel.observe_round`):
+        every tree node's proposals [B, N, k] and their log-probabilities, the accepted
+        path's nodes [B, D] (path_len [B] of them), the bonus token [B] and the path's
+        tokens [B, D]."""
+        self.calibration.observe_round(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temperature], children,
+                                       children_logp, path, path_len, bonus, path_tokens)
 
     def _grow(self, root_ids: torch.Tensor, prev_hidden: torch.Tensor, num_committed: torch.Tensor,
               tables: BlockTables, spec: SpecConfig, root: DraftRoot | None,

@@ -64,13 +64,9 @@ class RoundResult:
     path_len: list[int]          # per request, accepted nodes incl. the root (= tokens committed)
     # per request, one {token_id: logprob} per emitted token, or None where not asked for
     logprobs: list[list[dict[int, float]] | None] | None = None
-    # What an adaptive policy learns from, along each accepted path (root first, padded
-    # past its end): the drafter's top-k proposals after each path node [B, D, k] (-1: not
-    # expanded) and the target's token there [B, D] (the next path token, then the bonus;
-    # -1 past the end). None where nothing learns from the round (a fixed EAGLE-2
-    # configuration).
-    path_children: torch.Tensor | None = None
-    path_targets: torch.Tensor | None = None
+    # Whether the round taught the engine's measured acceptance (what an adaptive policy
+    # reads); a fixed EAGLE-2 configuration's rounds teach nothing.
+    learnt: bool = False
     phase_seconds: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0             # the step's own wall time, catch-up excluded
     catch_up_seconds: float = 0.0    # feeding the drafter what it had not followed
@@ -131,15 +127,12 @@ class SpeculativeRound:
 
         # What the round says about acceptance, for the calibrated selection's next trees and
         # an adaptive policy's next choices alike (a fixed EAGLE-2 tree or chain needs none).
-        children = targets = None
-        if learn or spec.selection == "calibrated":
-            children, targets = self._path_observations(tree.children, acc, path_tokens)
-        if children is not None:
-            D, k = tree.children_logp.shape[1:]
-            logp = tree.children_logp.gather(1, acc.path[..., None].expand(batch.size, D, k))
-            self.drafter.learn(ids, temperature, children, logp, targets)
+        learnt = (learn or spec.selection == "calibrated") and tree.children is not None
+        if learnt:
+            self.drafter.learn(ids, temperature, tree.children, tree.children_logp, acc.path, acc.path_len,
+                               acc.bonus, path_tokens)
         return RoundResult(spec=spec, emitted=emitted, path_len=path_len, logprobs=logprobs,
-                           path_children=children, path_targets=targets, phase_seconds=clock.seconds,
+                           learnt=learnt, phase_seconds=clock.seconds,
                            seconds=time.perf_counter() - t0 - catch_up, catch_up_seconds=catch_up)
 
     @staticmethod
@@ -159,18 +152,3 @@ class SpeculativeRound:
                           path_len=torch.where(greedy, by_argmax.path_len, drawn.path_len),
                           keep=torch.where(rows, by_argmax.keep, drawn.keep),
                           bonus=torch.where(greedy, by_argmax.bonus, drawn.bonus))
-
-    @staticmethod
-    def _path_observations(children: torch.Tensor | None, acc, path_tokens: torch.Tensor
-                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The drafter's proposals after each accepted-path node [B, D, k], and the
-        target's token there [B, D] (see `RoundResult`)."""
-        if children is None:
-            return None, None
-        B, D, k = children.shape
-        path_children = children.gather(1, acc.path[..., None].expand(B, D, k))
-        ahead = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)          # next path token
-        steps = torch.arange(D, device=path_tokens.device)[None]
-        path_targets = torch.where(steps < (acc.path_len - 1)[:, None], ahead, -1)
-        path_targets[torch.arange(B, device=path_tokens.device), acc.path_len - 1] = acc.bonus
-        return path_children, path_targets

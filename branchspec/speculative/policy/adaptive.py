@@ -252,7 +252,7 @@ class AdaptivePolicy:
                 self._settle_plain()
                 self._plain_batch, self._plain_modes = key, list(batch.modes or [GREEDY] * len(key))
             self._plain_rounds += 1
-        elif result.path_children is not None:
+        elif result.learnt:
             self._settle_plain()
             if self._predicted_per_request is not None and spec is self.last_choice:
                 self._calibrate(spec, float(sum(result.path_len)), self._predicted_per_request * len(seq_ids),
