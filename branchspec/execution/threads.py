@@ -6,11 +6,11 @@ over every thread; the calling thread then spends most of it waiting at OpenMP's
 for the others (docs/fast-path.md, "Where a compiled batch-1 step's time goes"). So a
 plain decode step at batch 1 runs MKL on one thread (`one_row_products`), through MKL's
 thread-local setting: the packed products (oneDNN), the compiled kernels and every other
-step keep all their threads. Measured on 2 vCPUs of an AMD EPYC, compiled, two engines'
-worth of calls in turn: a batch-1 plain step took 5.42 ms with MKL on one thread against
-5.99 on two (docs/fast-path.md, "MKL on one thread for one row"); over the 6-8 rows of a
-verify pass, or a drafter's frontier of two, two threads were faster, and at batch 4 the
-two were level, so only single-row steps switch.
+step keep all their threads. Measured on 2 vCPUs of an AMD EPYC, compiled, the two
+settings called in turn: a batch-1 plain step took 1-10% less with MKL on one thread, in
+each of four runs (docs/fast-path.md, "MKL on one thread for one row"); over the 6-8 rows
+of a verify pass, or a drafter's frontier of two, two threads were faster, and at batch 2
+and 4 the two were level or two faster, so only single-row steps switch.
 
 Where torch was built without MKL, or its thread-local setting cannot be found, nothing
 changes.
