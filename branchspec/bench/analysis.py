@@ -136,8 +136,9 @@ def accept_table(cells: list[CellResult]) -> list[AcceptRow]:
 class SelectionRow:
     """One (workload, batch size, D): the chain, the best EAGLE-2 tree and the best
     calibrated tree, each best by accept length and by throughput; and (`side_by_side`,
-    role -> throughputs) the best calibrated tree and the best of the others by
-    throughput, run again in turn."""
+    role -> throughputs, with `side_shapes`, role -> shape) the finalists of each side by
+    throughput in the sweep, the calibrated trees' and the others' (`SELECTION_ROLES`),
+    run again in turn."""
 
     workload: str
     batch_size: int
@@ -146,6 +147,7 @@ class SelectionRow:
     eagle2: list[CellResult]
     calibrated: list[CellResult]
     side_by_side: dict[str, list[float]] = field(default_factory=dict)
+    side_shapes: dict[str, str] = field(default_factory=dict)
 
     def best(self, kind: str, by: str) -> CellResult:
         cells = self.eagle2 if kind == "eagle2" else self.calibrated
@@ -163,13 +165,20 @@ class SelectionRow:
         best = self.best("calibrated", "throughput_tok_s").throughput_tok_s
         return best / base if base > 0 else None
 
+    def side_winner(self, side: str) -> str | None:
+        """The role of `side` ("calibrated" or "other") with the highest median throughput
+        side by side, or None where that did not run."""
+        ran = [r for r in SELECTION_FINALIST_ROLES[side] if self.side_by_side.get(r)]
+        return max(ran, key=lambda r: median(self.side_by_side[r]), default=None)
+
     def throughput_ratio(self) -> float | None:
-        """The same two configurations' ratio of median throughputs side by side where
-        that ran, else the sweep's."""
-        calibrated, other = self.side_by_side.get("best_calibrated"), self.side_by_side.get("best_other")
-        if not calibrated or not other:
+        """The faster finalist of each side, by median throughput side by side where that
+        ran: calibrated over the others; else the sweep's ratio."""
+        calibrated, other = self.side_winner("calibrated"), self.side_winner("other")
+        if calibrated is None or other is None:
             return self.sweep_throughput_ratio()
-        return median(calibrated) / median(other) if median(other) > 0 else None
+        base = median(self.side_by_side[other])
+        return median(self.side_by_side[calibrated]) / base if base > 0 else None
 
     def to_dict(self) -> dict:
         return {"workload": self.workload, "batch_size": self.batch_size, "D": self.D,
@@ -184,7 +193,9 @@ class SelectionRow:
                 "sweep_throughput_vs_best_other": _round(self.sweep_throughput_ratio())}
 
 
-SELECTION_ROLES = ("best_other", "best_calibrated")     # `study.recheck_selection`'s
+# `study.recheck_selection`'s: each side's fastest and second fastest in the sweep.
+SELECTION_FINALIST_ROLES = {"other": ("best_other", "other_2"), "calibrated": ("best_calibrated", "calibrated_2")}
+SELECTION_ROLES = tuple(r for roles in SELECTION_FINALIST_ROLES.values() for r in roles)
 POLICY_ROLES = ("baseline", "best_fixed", "auto")        # `study.recheck_policy`'s
 
 
@@ -193,12 +204,16 @@ def selection_table(cells: list[CellResult]) -> list[SelectionRow]:
     ran all three (the study's `selections=("eagle2", "calibrated")`)."""
     groups: dict[tuple[str, int, int], dict[str, list[CellResult]]] = defaultdict(lambda: defaultdict(list))
     side: dict[tuple[str, int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    shapes: dict[tuple[str, int, int], dict[str, str]] = defaultdict(dict)
     for c in cells:
         if c.kind in ("chain", "tree", "calibrated"):
             groups[(c.workload, c.batch_size, c.D)][c.kind].append(c)
         elif c.kind == "recheck" and c.extra.get("role") in SELECTION_ROLES:
-            side[(c.workload, c.batch_size, c.extra["D"])][c.extra["role"]].append(c.throughput_tok_s)
-    rows = [SelectionRow(w, b, d, g["chain"][0], g["tree"], g["calibrated"], dict(side.get((w, b, d), {})))
+            key = (c.workload, c.batch_size, c.extra["D"])
+            side[key][c.extra["role"]].append(c.throughput_tok_s)
+            shapes[key][c.extra["role"]] = c.shape
+    rows = [SelectionRow(w, b, d, g["chain"][0], g["tree"], g["calibrated"], dict(side.get((w, b, d), {})),
+                         shapes.get((w, b, d), {}))
             for (w, b, d), g in groups.items() if g["chain"] and g["tree"] and g["calibrated"]]
     return sorted(rows, key=lambda r: (r.D, r.workload, r.batch_size))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from branchspec.bench.analysis import SELECTION_FINALIST_ROLES
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, calibrated_specs_at_budget, shape_label, specs_at_budget
 from branchspec.bench.metrics import FIXED_KINDS, CellResult, measure_cell
 from branchspec.config import SamplingParams, SpecConfig, check_device, fast_path_candidates, spec_label
@@ -27,6 +28,8 @@ from branchspec.llm import DEFAULT_CHECKPOINT, LLM
 DEFAULT_WORKLOADS = ("gsm8k", "mbpp", "sharegpt")
 DEFAULT_BUDGETS = (5, 6, 7, 8)
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+# How many of each side the calibrated selection's side-by-side reruns (`recheck_selection`).
+SELECTION_FINALISTS = len(SELECTION_FINALIST_ROLES["other"])
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -212,7 +215,8 @@ class StudyConfig:
     def num_cells(self) -> int:
         """Generate calls the study makes (at most: a recheck whose best fixed
         configuration is plain decoding runs two roles, not three)."""
-        per_batch = len(self.group()) + 3 * self.rechecks + 2 * len(self.budgets) * self.selection_rechecks
+        per_batch = (len(self.group()) + 3 * self.rechecks
+                     + 2 * SELECTION_FINALISTS * len(self.budgets) * self.selection_rechecks)
         return len(self.workloads) * len(self.batch_sizes) * per_batch
 
     def describe(self) -> dict:
@@ -405,19 +409,24 @@ def run_side_by_side(llm, cfg: StudyConfig, workload: str, batch: list[list[int]
 
 def recheck_selection(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
                       cells: list[CellResult], bar=None) -> list[CellResult]:
-    """At each D of this (workload, batch size): the best calibrated tree and the best of
-    the chain and the EAGLE-2 trees (each best by its sweep run), run again in turn
-    `cfg.selection_rechecks` times (roles "best_other", "best_calibrated"; D in `extra`)."""
+    """At each D of this (workload, batch size): the `SELECTION_FINALISTS` fastest calibrated
+    trees and the as many fastest of the chain and the EAGLE-2 trees (by their sweep runs),
+    run again in turn `cfg.selection_rechecks` times (roles `analysis.SELECTION_FINALIST_ROLES`,
+    D in `extra`). Two a side, since one sweep run picks the luckiest configuration as often
+    as the fastest."""
     if not cfg.selection_rechecks:
         return []
     b, out = len(batch), []
     for D in cfg.budgets:
         same = [c for c in cells if c.workload == workload and c.batch_size == b and c.D == D]
-        other = max((c for c in same if c.kind in ("chain", "tree")), key=lambda c: c.throughput_tok_s, default=None)
-        calibrated = max((c for c in same if c.kind == "calibrated"), key=lambda c: c.throughput_tok_s, default=None)
-        if other is None or calibrated is None:
+        finalists = {side: sorted((c for c in same if c.kind in kinds), key=lambda c: c.throughput_tok_s,
+                                  reverse=True)[:SELECTION_FINALISTS]
+                     for side, kinds in (("other", ("chain", "tree")), ("calibrated", ("calibrated",)))}
+        if not finalists["other"] or not finalists["calibrated"]:
             continue
-        roles = {"best_other": spec_of(other), "best_calibrated": spec_of(calibrated)}
+        roles = {SELECTION_FINALIST_ROLES[side][i]: spec_of(cell)
+                 for i in range(SELECTION_FINALISTS) for side in ("other", "calibrated")
+                 if (cell := (finalists[side][i:i + 1] or [None])[0]) is not None}
         out += run_side_by_side(llm, cfg, workload, batch, params, roles, f"D={D} side by side", bar, D=D)
     return out
 
