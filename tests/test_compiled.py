@@ -86,6 +86,96 @@ def test_compiled_greedy_equals_eager_without_recompiling(llms, spec, batch):
     assert fast.engine.cache.tables == {}
 
 
+def test_guards_run_once_per_argument_signature(llms, monkeypatch):
+    """After warm-up, a compiled step checks its guards only for argument signatures it
+    has not passed yet: over a request, most calls skip them, the tokens stay the eager
+    engine's, and nothing recompiles."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from branchspec.execution.compiled import CompiledStep
+
+    eager, fast, _ = llms
+    counts = {"calls": 0, "checks": 0}
+    call, check = CompiledStep._call, AOTCompiledFunction.guard_check
+
+    def counted_call(self, step, args):
+        counts["calls"] += 1
+        return call(self, step, args)
+
+    def counted_check(self, *args, **kwargs):
+        counts["checks"] += 1
+        return check(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledStep, "_call", counted_call)
+    monkeypatch.setattr(AOTCompiledFunction, "guard_check", counted_check)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    before = compilations()
+    for spec in (TREE, None):
+        ours = [o.token_ids for o in fast.generate(PROMPTS[3:5], params, spec=spec)]
+        assert ours == [o.token_ids for o in eager.generate(PROMPTS[3:5], params, spec=spec)]
+    assert compilations() == before
+    assert counts["calls"] > 20 and counts["checks"] < counts["calls"] / 2, counts
+
+
+class _Step:
+    """A stand-in for a saved step: its guards accept what `accepts` says, and it records
+    what it checked and ran."""
+
+    def __init__(self, accepts):
+        self.accepts, self.checked, self.ran = accepts, 0, 0
+
+    def guard_check(self, model, *args):
+        self.checked += 1
+        return self.accepts(*args)
+
+    def fn(self, model, *args):
+        self.ran += 1
+        return args[0] + 1
+
+    def __call__(self, model, *args):
+        if not self.guard_check(model, *args):
+            raise RuntimeError("GuardManager check failed: a stand-in's guard")
+        return self.fn(model, *args)
+
+
+def test_a_new_signature_goes_through_the_guards(monkeypatch):
+    """What can change a guard's verdict changes the signature: a shape, a dtype, one
+    tensor passed twice instead of two, a shared tensor's shape, a scalar. A signature the
+    guards refused is not remembered, and its call goes where a refused call always went
+    (`_recompiled`, here a stand-in fallback)."""
+    from types import SimpleNamespace
+
+    from branchspec.execution.compiled import CompiledStep, Shared
+
+    model = SimpleNamespace(embed=SimpleNamespace(weight=torch.zeros(1)))
+    saved = _Step(lambda x, y, shared, n: x.dtype == torch.float32)
+    step = CompiledStep(model, lambda model, *args: None, one_shape=True)
+    monkeypatch.setattr(step, "_prepare", lambda cls, state, args: step.steps.setdefault((cls, state), saved))
+    fallback = []
+    monkeypatch.setattr(step, "_fallback", lambda: lambda model, *args: fallback.append(args) or "fallback")
+    x, y, table = torch.zeros(2, 3), torch.zeros(2, 3), Shared({"a": torch.zeros(4)})
+
+    def run(*args):
+        before = saved.checked
+        out = step(*args)
+        return saved.checked - before, out
+
+    assert run(x, y, table, 1)[0] == 1
+    assert run(torch.ones(2, 3), torch.ones(2, 3), table, 1)[0] == 0     # values are not part of it
+    assert run(torch.zeros(5, 3), y, table, 1)[0] == 1                   # a shape
+    assert run(x, x, table, 1)[0] == 1                                   # one tensor twice
+    assert run(x, y, Shared({"a": torch.zeros(8)}), 1)[0] == 1           # a shared tensor's shape
+    assert run(x, y, table, 2)[0] == 1                                   # a scalar
+    assert run(x, y, table, 1)[0] == 0
+    assert saved.ran == 7 and not fallback
+    # Refused: the guards run again (the saved step's own call), then the fallback.
+    wrong = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="not compiled for"):
+        assert run(wrong, y, table, 1) == (2, "fallback")
+    assert run(wrong, y, table, 1) == (2, "fallback")                    # not remembered
+    assert len(fallback) == 2 and saved.ran == 7
+
+
 def test_compiled_mixed_batches_equal_eager(llms):
     """Greedy rows are accepted and committed inside the compiled verify graph, sampled
     rows after it, and where any row has logits rules every row after it: batches of

@@ -80,6 +80,33 @@ def _map_batch(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj if all(new[n] is getattr(obj, n) for n in names) else dataclasses.replace(obj, **new)
 
 
+def _signature(obj: Any, out: list, order: dict[int, int]) -> None:
+    """Append to `out` everything about obj that a compiled step's guards can check and a
+    call can change: each tensor's shape, strides, dtype and device, with which earlier
+    argument it is (`order`: object id -> first position, so that one tensor passed twice
+    differs from two tensors), each other leaf's type and value, and the containers'
+    structure. Tensor values are not part of it: guards never read them."""
+    if isinstance(obj, torch.Tensor):
+        out.append((order.setdefault(id(obj), len(order)), obj.shape, obj.stride(), obj.dtype, obj.device))
+    elif isinstance(obj, (list, tuple)):
+        out.append((type(obj), len(obj)))
+        for v in obj:
+            _signature(v, out, order)
+    elif isinstance(obj, dict):
+        out.append((dict, tuple(obj)))
+        for v in obj.values():
+            _signature(v, out, order)
+    elif isinstance(obj, Shared):
+        out.append(type(obj))
+        _signature(obj.storage, out, order)
+    elif (names := _fields(type(obj))) is not None:
+        out.append(type(obj))
+        for n in names:
+            _signature(getattr(obj, n), out, order)
+    else:
+        out.append((type(obj), obj))
+
+
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor with a batch dimension inside obj (what `_map_batch` visits)."""
     found: list[torch.Tensor] = []
@@ -227,6 +254,7 @@ def _guards_to_keep(entries) -> list[bool]:
 
 
 _LOADED = [0]   # compiled steps this process loaded from the cache folder
+MAX_SIGNATURES = 4096   # argument signatures remembered per step as having passed its guards
 log = logging.getLogger("branchspec.compiled")
 
 
@@ -296,6 +324,9 @@ class CompiledStep:
         a step whose shapes follow from its function alone (`plan_step`)."""
         self.model, self.fn, self.drafter, self.one_shape = model, fn, drafter, one_shape
         self.steps: dict[tuple[str, str], Callable] = {}   # (shape class, global_state()) -> step
+        # Per step (by id: steps are kept for the process), the argument signatures
+        # (`_signature`) its guards have passed.
+        self.passed: dict[int, set[tuple]] = {}
         self.fallback: Callable | None = None
         self.eager = False          # the fallback failed to compile: run `fn` as it is
 
@@ -346,7 +377,7 @@ class CompiledStep:
             state = global_state()   # settings changed since (threads, say): that step's own graph
             step = self.steps.get((cls, state)) or self._prepare(cls, state, args)
             try:
-                out = step(self.model, *args)
+                out = self._call(step, args)
             except COMPILER_ERRORS as e:       # a plain torch.compile step that cannot recompile
                 out = self._run_eagerly(e, args)
             except RuntimeError as e:
@@ -356,6 +387,38 @@ class CompiledStep:
         if graphs:   # a replay's outputs live in the graph's memory, which the next replay reuses
             out = _map_batch(out, lambda t: t.clone())
         return out
+
+    def _call(self, step: Callable, args: tuple):
+        """Run a saved step, checking its guards only for argument signatures they have not
+        passed yet.
+
+        A saved step checks its guards before every call: the inputs' shapes, strides,
+        dtypes and aliasing, the model's configuration. Isolated, that takes a few
+        microseconds; after a graph has streamed the weights through the caches it took
+        0.1-0.35 ms a call on the AMD EPYC of docs/fast-path.md, about a tenth of a
+        batch-1 plain step. Guards are a function of the arguments' signature
+        (`_signature`), the model (fixed for the step) and torch's settings (part of the
+        step's key, `global_state`), so a signature that passed once passes again. A new
+        signature goes through the guards as before; one they refuse raises as before
+        (then `_recompiled`). Steps without a separate check (the fallback) run as they are."""
+        run, check = getattr(step, "fn", None), getattr(step, "guard_check", None)
+        if run is None or check is None:
+            return step(self.model, *args)
+        signature: list = []
+        _signature(args, signature, {})
+        key = tuple(signature)
+        passed = self.passed.setdefault(id(step), set())
+        try:
+            known = key in passed
+        except TypeError:     # an unhashable leaf: no signature, the guards every time
+            return step(self.model, *args)
+        if not known:
+            if not check(self.model, *args):
+                return step(self.model, *args)     # raises, naming the guard that failed
+            if len(passed) >= MAX_SIGNATURES:      # a long-lived engine meets many entry counts
+                passed.clear()
+            passed.add(key)
+        return run(self.model, *args)
 
     def _recompiled(self, cls: str, args: tuple, why: str):
         """Inputs the step's guards refuse: plain torch.compile for them, which traces at its
