@@ -61,11 +61,13 @@ def calls_of(prompts: list[str], batch: int) -> list[list[str]]:
     return [[prompts[(i * batch + j) % len(prompts)] for j in range(batch)] for i in range(n)]
 
 
-def in_turn(llm: LLM, calls: dict[str, list[list[str]]], params: SamplingParams, specs, repeats: int) -> dict:
+def in_turn(llm: LLM, calls: dict[str, list[list[str]]], params: SamplingParams, specs,
+            repeats: int) -> tuple[dict, dict]:
     """Every configuration of `specs` over the same calls (workload -> calls), one after
-    the other, `repeats` turns after an untimed one. Per (configuration, workload, or ALL
-    for all pooled): the medians over the turns of ms per step, tok/s, accept length and
-    ms per step in each phase, and the tokens of the last turn."""
+    the other, `repeats` turns after an untimed one. Returns, per (configuration, workload,
+    or ALL for all pooled), the medians over the turns of ms per step, tok/s, accept length
+    and ms per step in each phase; and per (configuration, workload, prompts) the tokens of
+    the last turn."""
     turns = defaultdict(list)
     tokens = {}
     for turn in range(repeats + 1):
@@ -98,8 +100,7 @@ def in_turn(llm: LLM, calls: dict[str, list[list[str]]], params: SamplingParams,
                     "tok_s": med(lambda r: r["tokens"] / r["seconds"]),
                     "accept": med(lambda r: r["accepted"] / r["steps"]),
                     "phases": {p: med(lambda r, p=p: 1e3 * r.get("phase " + p, 0.0) / r["steps"]) for p in phases}}
-    out["tokens"] = tokens
-    return out
+    return out, tokens
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -129,7 +130,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3, help="timed turns (after one untimed), medians")
     ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--num-prompts", type=int, default=4, help="held-out prompts of each workload")
+    ap.add_argument("--num-prompts", type=int, default=4, help="held-out prompts of each workload (>= 1)")
     ap.add_argument("--mbpp-path", default=None, help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else the hub)")
     ap.add_argument("--no-eager", action="store_true", help="time the compiled path only")
     ap.add_argument("--plot", default=None, help="write the speedups as a PNG here")
@@ -137,9 +138,13 @@ def main() -> None:
                     help="the compiled path's dtype; other than float32, compiled float32 plain decoding "
                          "is timed beside it as the plain configuration to beat")
     args = ap.parse_args()
+    if args.num_prompts < 1 or args.repeats < 1:
+        ap.error(f"--num-prompts and --repeats must be at least 1, got {args.num_prompts} and {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    if min(batches) < 1:
+        ap.error(f"--batches must be positive integers, got {args.batches}")
     prompts = eval_prompts(args.num_prompts, args.mbpp_path)
     fast = LLM(seed=0, max_batch_size=max(batches), compile=True, dtype=args.dtype)
     # The fastest plain configuration: float32 plain, compiled, whatever dtype is benchmarked.
@@ -156,9 +161,9 @@ def main() -> None:
     for batch in batches:
         params = SamplingParams(max_tokens=96 if batch <= 4 else 32, ignore_eos=True)
         calls = {w: calls_of(p, batch) for w, p in prompts.items()}
-        c = in_turn(fast, calls, params, SPECS, args.repeats)
-        e = in_turn(eager, calls, params, SPECS, args.repeats) if eager else None
-        f = in_turn(fp32, calls, params, (("plain float32", None),), args.repeats) if fp32 else None
+        c, c_tokens = in_turn(fast, calls, params, SPECS, args.repeats)
+        e, e_tokens = in_turn(eager, calls, params, SPECS, args.repeats) if eager else (None, None)
+        f, _ = in_turn(fp32, calls, params, (("plain float32", None),), args.repeats) if fp32 else (None, None)
         for workload in (*calls, ALL):
             plain = c[("plain", workload)]
             for name, _ in SPECS:
@@ -168,7 +173,7 @@ def main() -> None:
                        "compiled_speedup": m["tok_s"] / plain["tok_s"], "compiled_phases": m["phases"]}
                 if e is not None:
                     em = e[(name, workload)]
-                    same = all(e["tokens"][k] == v for k, v in c["tokens"].items()
+                    same = all(e_tokens[k] == v for k, v in c_tokens.items()
                                if k[0] == name and (workload == ALL or k[1] == workload))
                     row.update(eager_ms=em["ms"], eager_tok_s=em["tok_s"],
                                eager_speedup=em["tok_s"] / e[("plain", workload)]["tok_s"], same_tokens=same)

@@ -424,9 +424,11 @@ def recheck_selection(llm, cfg: StudyConfig, workload: str, batch: list[list[int
                      for side, kinds in (("other", ("chain", "tree")), ("calibrated", ("calibrated",)))}
         if not finalists["other"] or not finalists["calibrated"]:
             continue
-        roles = {SELECTION_FINALIST_ROLES[side][i]: spec_of(cell)
-                 for i in range(SELECTION_FINALISTS) for side in ("other", "calibrated")
-                 if (cell := (finalists[side][i:i + 1] or [None])[0]) is not None}
+        roles = {}      # in turn: the fastest of each side, then the second fastest
+        for i in range(SELECTION_FINALISTS):
+            for side in ("other", "calibrated"):
+                if i < len(finalists[side]):
+                    roles[SELECTION_FINALIST_ROLES[side][i]] = spec_of(finalists[side][i])
         out += run_side_by_side(llm, cfg, workload, batch, params, roles, f"D={D} side by side", bar, D=D)
     return out
 
