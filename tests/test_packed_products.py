@@ -1,11 +1,13 @@
 """Products with packed weights (`model/matmul.py`): the large weights' products run through
 oneDNN on a copy of the weight packed once. The packed product is the same product (to
 float32 rounding), its copy follows the weight (in-place changes, freed and reused memory),
-and where packing does not apply (float64, autograd on) the plain product runs."""
+and where packing does not apply (float64, autograd on) the plain product runs. The
+operator's kernel is Python or C++ (`matmul.native_kernel`): the same products either way."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -18,6 +20,24 @@ from branchspec.model.layers import JoinedLinear, Linear, StackedLinear, pack_pr
 from branchspec.model.metadata import chain_meta
 
 pytestmark = pytest.mark.skipif(not matmul.packed_products_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def python_kernel():
+    """The Python kernel in place (the tests count its calls; a compiled engine built
+    earlier in this process put the C++ one in), and what was in place put back after."""
+    was = matmul._KERNEL.native
+    matmul.native_kernel(False)
+    yield
+    matmul.native_kernel(was)
+
+
+@pytest.fixture(params=["python", "native"])
+def kernel(request, python_kernel):
+    """Each kernel in turn."""
+    if request.param == "native" and not matmul.native_kernel(True):
+        pytest.skip(f"the C++ kernel could not be built here: {matmul._KERNEL.failed}")
+    return request.param
 
 
 def packed_calls(fn):
@@ -38,13 +58,13 @@ def packed_calls(fn):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("out_features", [1, 300, 2048])
-def test_packed_product_equals_plain(rows, out_features):
+def test_packed_product_equals_plain(rows, out_features, kernel):
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
     w = torch.randn(out_features, 96, generator=gen)
     x = torch.randn(2, rows, 96, generator=gen)
     with torch.no_grad():
         got, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))
-    assert calls == 1 and got.shape == (2, rows, out_features)
+    assert calls == (1 if kernel == "python" else 0) and got.shape == (2, rows, out_features)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
     # a strided input (a column slice) is the same product
     wide = torch.randn(rows, 2 * 96, generator=gen)
@@ -53,7 +73,7 @@ def test_packed_product_equals_plain(rows, out_features):
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_packed_copy_follows_its_weight():
+def test_packed_copy_follows_its_weight(kernel):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(512, 64, generator=gen)
     x = torch.randn(4, 64, generator=gen)
@@ -88,7 +108,7 @@ def test_stale_copy_check_is_what_catches_a_change(monkeypatch):
     assert not torch.allclose(after, F.linear(x, w), atol=1e-3)
 
 
-def test_weights_made_under_inference_mode():
+def test_weights_made_under_inference_mode(kernel):
     """Inference tensors keep no version counter: their packed and joined copies are
     taken as current for as long as the memory holds them, and the products are right."""
     with torch.inference_mode():
@@ -136,7 +156,52 @@ def test_compiled_graph_calls_the_packed_product():
     with torch.no_grad():
         got, calls = packed_calls(lambda: compiled(x, w))
         torch.testing.assert_close(got, F.linear(x.relu(), w).softmax(-1), atol=1e-6, rtol=1e-5)
+        assert calls == 1
+        # The same graph, not compiled again, calls whichever kernel is in place.
+        if matmul.native_kernel(True):
+            native, calls = packed_calls(lambda: compiled(x, w))
+            assert calls == 0
+            torch.testing.assert_close(native, got, atol=1e-6, rtol=1e-5)
+            matmul.native_kernel(False)
+            _, calls = packed_calls(lambda: compiled(x, w))
+            assert calls == 1
+
+
+def test_native_kernel_switches_both_ways():
+    """The C++ kernel in place: the Python one is not called, the products are the same,
+    and a weight changed in place is packed again; taken out, the Python one serves again."""
+    if not matmul.native_kernel(True):
+        pytest.skip(f"the C++ kernel could not be built here: {matmul._KERNEL.failed}")
+    w, x = torch.randn(600, 64), torch.randn(5, 64)
+    with torch.no_grad():
+        got, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))
+        assert calls == 0
+        torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+        w.mul_(3.0)
+        torch.testing.assert_close(matmul.linear(x, w, packed=True), 3.0 * got, atol=1e-4, rtol=1e-5)
+        assert matmul.native_kernel(False) is False
+        again, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))
     assert calls == 1
+    torch.testing.assert_close(again, 3.0 * got, atol=1e-4, rtol=1e-5)
+
+
+def test_native_kernel_that_cannot_be_built(monkeypatch, tmp_path):
+    """No C++ compiler: one warning naming the cause, and the Python kernel keeps serving."""
+    monkeypatch.setattr(matmul._KERNEL, "library", None)
+    monkeypatch.setattr(matmul._KERNEL, "failed", None)
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="could not be built.*no-such-compiler"):
+        assert matmul.native_kernel(True) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert matmul.native_kernel(True) is False    # not tried again, no second warning
+    w, x = torch.randn(600, 64), torch.randn(5, 64)
+    with torch.no_grad():
+        got, calls = packed_calls(lambda: matmul.linear(x, w, packed=True))
+    assert calls == 1
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +244,15 @@ def test_packed_model_equals_unpacked(model):
     assert calls >= 4 * len(m.layers) + 1      # each layer: stacked inputs, wq_b, wo_b, FFN inputs; the head
     torch.testing.assert_close(packed, plain, atol=2e-4, rtol=1e-4)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+def test_packed_model_same_under_either_kernel(model):
+    m = copy.deepcopy(model)
+    pack_products(m)
+    by_python = forward(m)
+    if not matmul.native_kernel(True):
+        pytest.skip(f"the C++ kernel could not be built here: {matmul._KERNEL.failed}")
+    by_native, calls = packed_calls(lambda: forward(m))
+    assert calls == 0
+    torch.testing.assert_close(by_native, by_python, atol=1e-5, rtol=1e-5)
+    assert torch.equal(by_native.argmax(-1), by_python.argmax(-1))

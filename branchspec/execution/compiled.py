@@ -32,6 +32,7 @@ from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.eager import EagerExecutor
 from branchspec.model.attention import LayerState
 from branchspec.model.layers import build_stacked, packed_products
+from branchspec.model.matmul import native_kernel
 from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
 
@@ -560,6 +561,7 @@ class CompiledExecutor(EagerExecutor):
                              f"step may follow the routing; LLM(compile=True) builds it so")
         super().__init__(model, cache)
         if steps is None:
+            native_kernel()          # packed products called from the graphs without a trip through Python
             build_stacked(model)     # the compiled steps read the stacked projections built now
             steps = compile_steps(model)
         self.steps = steps
