@@ -4,8 +4,10 @@ checkpoint exported with `branchspec convert --to hf`, loaded as `DeepseekV4ForC
 compiled plain decoding and compiled trees, in the same process. Reports decode tokens per
 second (prefill excluded where each tool can say so: transformers' time is for the whole
 `generate`, so its figure is slightly pessimistic for it, by one prompt forward) and
-whether each path's tokens equal transformers' greedy tokens. Prints a table, then one
-line of JSON.
+whether each path's tokens equal transformers' greedy tokens. Every path runs in turn,
+`--repeats` times after one untimed turn, and each is judged by its median (one path
+timed after another would read the machine's slow and fast minutes as speed). Prints a
+table, then one line of JSON.
 
     python scripts/bench_transformers.py [--max-tokens 96] [--repeats 3] [--threads N]
 """
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
+from collections import defaultdict
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -29,7 +34,9 @@ PROMPT = ("Question: Natalia sold clips to 48 of her friends in April, and then 
 SPECS = (("plain", None), ("tree 3x2 D=6", SpecConfig(3, 2, 6)), ("tree 4x2 D=8", SpecConfig(4, 2, 8)))
 
 
-def transformers_tok_s(folder: str, ids: list[int], max_tokens: int, repeats: int) -> tuple[float, list[int]]:
+def transformers_generate(folder: str, ids: list[int], max_tokens: int) -> Callable[[], tuple[float, list[int]]]:
+    """transformers' model from `folder`, as a call that decodes `ids` greedily and returns
+    (tokens per second, the tokens)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
@@ -39,32 +46,29 @@ def transformers_tok_s(folder: str, ids: list[int], max_tokens: int, repeats: in
     # (min_new_tokens would instead forbid EOS, and change the tokens).
     model.generation_config.eos_token_id = None
     kw = dict(max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones_like(x))
-    best, tokens = None, []
-    with torch.no_grad():
-        model.generate(x, **kw)
-        for _ in range(repeats):
+
+    def run() -> tuple[float, list[int]]:
+        with torch.no_grad():
             t0 = time.perf_counter()
             out = model.generate(x, **kw)
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-            tokens = out[0, len(ids):].tolist()
-    return max_tokens / best, tokens
+            return max_tokens / (time.perf_counter() - t0), out[0, len(ids):].tolist()
+    return run
 
 
-def branchspec_tok_s(llm: LLM, ids: list[int], max_tokens: int, repeats: int, spec) -> tuple[float, list[int]]:
+def branchspec_generate(llm: LLM, ids: list[int], max_tokens: int, spec) -> Callable[[], tuple[float, list[int]]]:
+    """One branchspec path as a call returning (decode tokens per second, the tokens)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([ids], params, spec=spec)
-    best, tokens = 0.0, []
-    for _ in range(repeats):
+
+    def run() -> tuple[float, list[int]]:
         out = llm.generate([ids], params, spec=spec)[0]
-        best, tokens = max(best, llm.last_stats.decode_throughput), out.token_ids
-    return best, tokens
+        return llm.last_stats.decode_throughput, out.token_ids
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed turns (after one untimed), medians")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -75,20 +79,31 @@ def main() -> None:
         fast.warmup(spec, batch_sizes=(1,))
     with tempfile.TemporaryDirectory() as tmp:
         folder = export_hf_folder(DEFAULT_CHECKPOINT, Path(tmp) / "hf")
-        hf, hf_tokens = transformers_tok_s(str(folder), ids, args.max_tokens, args.repeats)
-    rows = [{"path": "transformers generate", "tok_s": hf, "vs_transformers": 1.0, "same_tokens": True}]
-    for path, llm in (("branchspec eager", eager), ("branchspec compiled", fast)):
-        for name, spec in SPECS:
-            if path.endswith("eager") and spec is not None:
-                continue
-            tok_s, tokens = branchspec_tok_s(llm, ids, args.max_tokens, args.repeats, spec)
-            first = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), None)
-            rows.append({"path": f"{path} {name}", "tok_s": tok_s, "vs_transformers": tok_s / hf,
-                         "same_tokens": tokens == hf_tokens, "first_difference": first})
+        paths = {"transformers generate": transformers_generate(str(folder), ids, args.max_tokens)}
+        for path, llm in (("branchspec eager", eager), ("branchspec compiled", fast)):
+            for name, spec in SPECS:
+                if not (path.endswith("eager") and spec is not None):
+                    paths[f"{path} {name}"] = branchspec_generate(llm, ids, args.max_tokens, spec)
+        # Every path in turn, so that the machine's slow and fast minutes fall on all alike.
+        speeds, tokens = defaultdict(list), {}
+        for turn in range(args.repeats + 1):
+            for path, run in paths.items():
+                tok_s, tokens[path] = run()
+                if turn:
+                    speeds[path].append(tok_s)
+    hf_tokens = tokens["transformers generate"]
+    hf = statistics.median(speeds["transformers generate"])
+    rows = []
+    for path in paths:
+        tok_s = statistics.median(speeds[path])
+        first = next((i for i, (a, b) in enumerate(zip(tokens[path], hf_tokens)) if a != b), None)
+        rows.append({"path": path, "tok_s": tok_s, "vs_transformers": tok_s / hf,
+                     "same_tokens": tokens[path] == hf_tokens, "first_difference": first})
     print(f"{'path':36} {'tok/s':>8} {'vs transformers':>16}  same tokens as transformers")
     for r in rows:
         print(f"{r['path']:36} {r['tok_s']:8.1f} {r['vs_transformers']:15.2f}x  {r['same_tokens']}")
-    print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "rows": rows}))
+    print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "repeats": args.repeats,
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
