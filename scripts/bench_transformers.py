@@ -20,8 +20,8 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed turns (after one untimed), medians")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.repeats < 1 or args.max_tokens < 1:
+        ap.error(f"--repeats and --max-tokens must be at least 1, got {args.repeats} and {args.max_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     eager, fast = LLM(seed=0), LLM(seed=0, compile=True)
