@@ -104,9 +104,10 @@ class DrafterState:
         # step that committed it left it, (hidden [B, N, d], row, column), sliced on first read
         self._last: torch.Tensor | tuple[torch.Tensor, int, int] | None = last_hidden
         self.lag = DrafterLag()
-        # The output at the next root, with the committed length it belongs to; a round that
-        # finds it current skips the root's own forward.
-        self.root: tuple[int, DraftRoot] | None = None
+        # The output at the next root, with the committed length it belongs to, as (length,
+        # the batch's extend outputs, this request's row); a round that finds it current
+        # skips the root's own forward.
+        self.root: tuple[int, "ExtendOutputs", int] | None = None
 
     @property
     def last_hidden(self) -> torch.Tensor | None:
@@ -139,8 +140,8 @@ class Drafter(Protocol):
               children_logp: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor,
               path_tokens: torch.Tensor) -> None: ...
 
-    def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,
-               path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None: ...
+    def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, hidden: torch.Tensor,
+               path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None: ...
 
     def lag(self, seq_id: int) -> int: ...
 
@@ -257,14 +258,19 @@ class MTPDrafter:
     def _roots_ahead(self, seq_ids: list[int], lengths: list[int]) -> DraftRoot | None:
         """The batch's roots as the last rounds' draft extends computed them, when every
         request has its own current (its drafter saw exactly its committed positions since);
-        else None, and the round computes them all."""
-        rows = []
+        else None, and the round computes them all. Where one extend computed them all, in
+        this order (a batch that did not change since the last round), its outputs are the
+        roots as they are."""
+        ahead = []
         for sid, L in zip(seq_ids, lengths):
             st = self.states.get(sid)
             if st is None or st.root is None or st.root[0] != L or st.lag:
                 return None
-            rows.append(st.root[1])
-        return DraftRoot.stack(rows)
+            ahead.append(st.root[1:])
+        out = ahead[0][0]
+        if out.root_k.shape[0] == len(ahead) and all(o is out and row == j for j, (o, row) in enumerate(ahead)):
+            return DraftRoot(k=out.root_k, hidden=out.root_hidden, logits=out.root_logits)
+        return DraftRoot.stack([DraftRoot(o.root_k, o.root_hidden, o.root_logits).row(row) for o, row in ahead])
 
     @torch.no_grad()
     def propose(self, seq_ids: list[int], lengths: torch.Tensor, roots: torch.Tensor, spec: SpecConfig,
@@ -328,34 +334,28 @@ class MTPDrafter:
         return self.executor.graph(grow_trees, plan, inputs, shared, pools=True)
 
     @torch.no_grad()
-    def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, path_hidden: torch.Tensor,
-               path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None:
+    def extend(self, seq_ids: list[int], lengths: torch.Tensor, path_tokens: torch.Tensor, hidden: torch.Tensor,
+               path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor, num_draft_tokens: int) -> None:
         """After a round committed each accepted path: drafter slots L .. L+n-1 for the
-        path, now with the target's hidden states (path_hidden [B, D, d], path node i's)
-        instead of the drafter's own, and one node further the next root (the bonus token
-        [B]), whose output the next round starts from. path_tokens: [B, D] (root first,
-        padded past path_len [B]). The forward, the path's commit and the root's logits are
-        one call of the executor (`extend_forward`)."""
-        B = len(seq_ids)
-        dev = path_tokens.device
-        rows = torch.arange(B, device=dev)
-        prev_hidden = torch.stack([self.states[sid].last_hidden for sid in seq_ids])      # [B, d]
-        prev = torch.cat([prev_hidden[:, None], path_hidden], dim=1)         # [B, D+1, d]: node i's is node i-1's
-        tokens = torch.cat([path_tokens, path_tokens[:, :1]], dim=1)         # [B, D+1]
-        tokens[rows, path_len] = bonus
+        path, now with the target's hidden states instead of the drafter's own, and one
+        node further the next root (the bonus token [B]), whose output the next round starts
+        from. path_tokens: [B, D] (root first, padded past path_len [B]); hidden: [B, N, d]
+        the target's hidden states at the verified nodes, and path [B, D] the path's nodes
+        among them. The inputs' assembly, the forward, the path's commit and the root's
+        logits are one call of the executor (`extend_forward`)."""
         width = self.executor.extend_width(int(path_len.max()) + 1, num_draft_tokens + 1)
         plan = ExtendPlan(width=width, reduced_vocab=self.vocab_ids is not None)
-        inputs = ExtendInputs(tokens=tokens[:, :width], prev=prev[:, :width], num_committed=lengths,
-                              path_len=path_len, tables=self.cache.block_tables(seq_ids, ("mtp",)))
+        last = torch.stack([self.states[sid].last_hidden for sid in seq_ids])            # [B, d]
+        inputs = ExtendInputs(path_tokens=path_tokens, hidden=hidden, path=path, path_len=path_len, bonus=bonus,
+                              last_hidden=last, num_committed=lengths,
+                              tables=self.cache.block_tables(seq_ids, ("mtp",)))
         shared = {"head_rows": self.head_rows} if plan.reduced_vocab else {}
         out = self.executor.graph(extend_forward, plan, inputs, shared, pools=True)   # commits the path
-        last = path_hidden[rows, path_len - 1]                               # [B, d]
-        ahead = DraftRoot(k=out.root_k, hidden=out.root_hidden, logits=out.root_logits)
         new_lengths = (lengths + path_len).tolist()
         for b, sid in enumerate(seq_ids):
             st = self.states[sid]
-            st.last_hidden = last[b]
-            st.root = (new_lengths[b], ahead.row(b))
+            st.last_at(out.path_last, b, 0)
+            st.root = (new_lengths[b], out, b)
 
 
 @dataclass(frozen=True)
@@ -373,10 +373,13 @@ class ExtendPlan:
 
 @dataclass
 class ExtendInputs:
-    tokens: torch.Tensor          # [B, W] the accepted path's tokens then the next root (padded)
-    prev: torch.Tensor            # [B, W, n*d] the target hidden state before each
-    num_committed: torch.Tensor   # [B] L: the drafter's committed length before the extend
+    path_tokens: torch.Tensor     # [B, D] the accepted path's tokens, root first (padded past path_len)
+    hidden: torch.Tensor          # [B, N, n*d] the target's hidden states at the verified nodes
+    path: torch.Tensor            # [B, D] the path's nodes among them
     path_len: torch.Tensor        # [B] accepted path nodes (the next root sits at index path_len)
+    bonus: torch.Tensor           # [B] the next root's token
+    last_hidden: torch.Tensor     # [B, n*d] the target's hidden state at L - 1, before the path
+    num_committed: torch.Tensor   # [B] L: the drafter's committed length before the extend
     tables: BlockTables           # the batch's "mtp" block tables (its KV for positions < L; the path's slots)
 
 
@@ -385,20 +388,30 @@ class ExtendOutputs:
     root_k: torch.Tensor          # [B, 1, d_h] the next root's MTP key
     root_hidden: torch.Tensor     # [B, 1, n*d] its MTP hidden state
     root_logits: torch.Tensor     # [B, N] its drafter logits over the drafted vocabulary
+    path_last: torch.Tensor       # [B, 1, n*d] the target's hidden state at the path's last node
 
 
 def extend_forward(model: Transformer, plan: ExtendPlan, x: ExtendInputs, shared: dict[str, torch.Tensor],
                    storage: dict[str, torch.Tensor]) -> ExtendOutputs:
-    """The draft extend's MTP forward over the path and the next root (the drafter's
-    committed KV read from the pools' storage), the path's keys committed there (the
-    root's stay out: the next round drafts from it), and the root's output (a pure function
-    of tensors: one compiled graph per width on the fast path)."""
-    meta = chain_meta(x.num_committed, x.path_len + 1, (), max_new=plan.width)
+    """The draft extend's inputs (the path's tokens then the next root, each after the
+    target's hidden state one position earlier), its MTP forward over them (the drafter's
+    committed KV read from the pools' storage), the path's keys committed there (the root's
+    stay out: the next round drafts from it), and the root's output (a pure function of
+    tensors: one compiled graph per width on the fast path)."""
+    B, W = x.path_tokens.shape[0], plan.width
+    nd = x.hidden.shape[-1]
+    path_hidden = x.hidden.gather(1, x.path[..., None].expand(-1, -1, nd))              # [B, D, n*d]
+    tokens = torch.cat([x.path_tokens, x.path_tokens[:, :1]], dim=1)                      # [B, D+1]
+    tokens = tokens.scatter(1, x.path_len[:, None], x.bonus[:, None])[:, :W]              # the root after the path
+    prev = torch.cat([x.last_hidden[:, None], path_hidden], dim=1)[:, :W]                # node i's is node i-1's
+    meta = chain_meta(x.num_committed, x.path_len + 1, (), max_new=W)
     committed = read_mtp(model.cfg, storage, x.tables, x.num_committed)
-    out = model.mtp_forward(x.tokens, x.prev, meta, committed, logits=False)
-    on_path = meta.valid & (torch.arange(plan.width, device=x.tokens.device)[None] < x.path_len[:, None])
+    out = model.mtp_forward(tokens, prev, meta, committed, logits=False)
+    on_path = meta.valid & (torch.arange(W, device=tokens.device)[None] < x.path_len[:, None])
     write_mtp(model.cfg, storage, x.tables, meta, out.scratch[0], on_path)
-    at_root = (torch.arange(x.tokens.shape[0], device=x.tokens.device), x.path_len)
+    at_root = (torch.arange(B, device=tokens.device), x.path_len)
     hidden = out.hidden[at_root]                                         # [B, n*d]
     logits = model.mtp_logits(hidden, shared["head_rows"] if plan.reduced_vocab else None)
-    return ExtendOutputs(root_k=out.scratch[0].k[at_root][:, None], root_hidden=hidden[:, None], root_logits=logits)
+    path_last = path_hidden.gather(1, (x.path_len - 1)[:, None, None].expand(-1, 1, nd))  # [B, 1, n*d]
+    return ExtendOutputs(root_k=out.scratch[0].k[at_root][:, None], root_hidden=hidden[:, None], root_logits=logits,
+                         path_last=path_last)

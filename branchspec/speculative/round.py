@@ -120,9 +120,7 @@ class SpeculativeRound:
             self.executor.commit(ids, meta, out.scratch, acc.keep & ~greedy[:, None])
         clock.lap("commit")
 
-        rows = torch.arange(batch.size, device=L.device)[:, None]
-        self.drafter.extend(ids, L, path_tokens, out.hidden[rows, acc.path], acc.path_len, acc.bonus,
-                            spec.num_draft_tokens)
+        self.drafter.extend(ids, L, path_tokens, out.hidden, acc.path, acc.path_len, acc.bonus, spec.num_draft_tokens)
         clock.lap("draft_extend")
 
         # What the round says about acceptance, for the calibrated selection's next trees and

@@ -418,11 +418,12 @@ class _Calls:
         root lands at L, where a round's drafting starts."""
         B = len(self.ids)
         start = (self.L - D).clamp(min=0)
-        path = self._tokens(D)
-        path_hidden = self.hidden.expand(B, D, self.hidden.shape[-1])
+        path_tokens = self._tokens(D)
+        hidden = self.hidden.expand(B, D, self.hidden.shape[-1])
+        path = torch.arange(D, device=self.L.device).expand(B, D)
         path_len = torch.full((B,), D, dtype=torch.long, device=self.L.device)
         bonus = self._tokens(1)[:, 0]
-        return lambda: self.drafter.extend(self.ids, start, path, path_hidden, path_len, bonus, D)
+        return lambda: self.drafter.extend(self.ids, start, path_tokens, hidden, path, path_len, bonus, D)
 
     def draft(self, spec: SpecConfig):
         """A round's drafting (`propose`) of `spec`, from a root the last extend computed
