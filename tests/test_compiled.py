@@ -98,9 +98,9 @@ def test_guards_run_once_per_argument_signature(llms, monkeypatch):
     counts = {"calls": 0, "checks": 0}
     call, check = CompiledStep._call, AOTCompiledFunction.guard_check
 
-    def counted_call(self, step, args):
+    def counted_call(self, step, args, signature=None):
         counts["calls"] += 1
-        return call(self, step, args)
+        return call(self, step, args, signature)
 
     def counted_check(self, *args, **kwargs):
         counts["checks"] += 1
@@ -140,7 +140,8 @@ class _Step:
 
 def test_a_new_signature_goes_through_the_guards(monkeypatch):
     """What can change a guard's verdict changes the signature: a shape, a dtype, one
-    tensor passed twice instead of two, a shared tensor's shape, a scalar. A signature the
+    tensor passed twice instead of two, a shared tensor's shape, a scalar. A tensor that is
+    not contiguous runs as its contiguous copy, with the copy's signature. A signature the
     guards refused is not remembered, and its call goes where a refused call always went
     (`_recompiled`, here a stand-in fallback)."""
     from types import SimpleNamespace
@@ -148,7 +149,7 @@ def test_a_new_signature_goes_through_the_guards(monkeypatch):
     from branchspec.execution.compiled import CompiledStep, Shared
 
     model = SimpleNamespace(embed=SimpleNamespace(weight=torch.zeros(1)))
-    saved = _Step(lambda x, y, shared, n: x.dtype == torch.float32)
+    saved = _Step(lambda x, y, shared, n: x.dtype == torch.float32 and x.is_contiguous())
     step = CompiledStep(model, lambda model, *args: None, one_shape=True)
     monkeypatch.setattr(step, "_prepare", lambda cls, state, args: step.steps.setdefault((cls, state), saved))
     fallback = []
@@ -167,13 +168,14 @@ def test_a_new_signature_goes_through_the_guards(monkeypatch):
     assert run(x, y, Shared({"a": torch.zeros(8)}), 1)[0] == 1           # a shared tensor's shape
     assert run(x, y, table, 2)[0] == 1                                   # a scalar
     assert run(x, y, table, 1)[0] == 0
-    assert saved.ran == 7 and not fallback
+    assert run(torch.zeros(3, 2).t(), y, table, 1)[0] == 0               # loose: as its contiguous copy
+    assert saved.ran == 8 and not fallback
     # Refused: the guards run again (the saved step's own call), then the fallback.
     wrong = torch.zeros(2, 3, dtype=torch.float64)
     with pytest.warns(UserWarning, match="not compiled for"):
         assert run(wrong, y, table, 1) == (2, "fallback")
     assert run(wrong, y, table, 1) == (2, "fallback")                    # not remembered
-    assert len(fallback) == 2 and saved.ran == 7
+    assert len(fallback) == 2 and saved.ran == 8
 
 
 def test_compiled_mixed_batches_equal_eager(llms):
@@ -311,3 +313,23 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
         assert len(eagerly) == (4 if spec is TREE else 1), eagerly
     assert calls == {"saved": 5, "fallback": 5}
     assert fast.engine.cache.tables == {}
+
+
+def test_settings_now_is_rebuilt_exactly_when_torch_settings_change():
+    """A compiled step keys its graphs by torch's settings (`global_state`); the string it
+    reads on every call is kept until dynamo's global-state guard sees a change, and then
+    rebuilt (kept regardless, a step would run a graph traced under other settings)."""
+    from branchspec.execution.compiled import global_state, settings_now
+
+    first = settings_now()
+    assert first == global_state() and settings_now() is first
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        changed = settings_now()
+        assert changed != first and changed == global_state()
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        assert settings_now() == global_state() != first
+    assert settings_now() == first

@@ -61,10 +61,21 @@ def test_greedy_speculative_equals_plain_batch_of_8(llm, prompts, params, plain,
 def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, monkeypatch):
     """Each round's draft extend also feeds the next root, and the next round grows its tree
     from that instead of a forward of its own: what it reuses equals the root's own forward
-    (same keys attended, in another order), and only a batch's first round computes it."""
+    (same keys attended, in another order), and only a batch's first round computes it. A
+    batch that did not change takes the extend's outputs as they are; one that lost a
+    request takes its remaining rows."""
+    from branchspec.speculative import drafter as drafter_module
+
     drafter = llm.engine.drafter
     original = drafter._grow
-    rounds = {"reused": 0, "computed": 0}
+    rounds = {"reused": 0, "computed": 0, "stacked": 0}
+    stack = drafter_module.DraftRoot.stack
+
+    def counted(rows):
+        rounds["stacked"] += 1
+        return stack(rows)
+
+    monkeypatch.setattr(drafter_module.DraftRoot, "stack", staticmethod(counted))
 
     def checked(root_ids, prev_hidden, L, tables, spec, root, log_q=None, scale=None):
         if root is None:
@@ -82,6 +93,8 @@ def test_draft_extend_computes_the_next_root(llm, prompts, params, plain, spec, 
     monkeypatch.setattr(drafter, "_grow", checked)
     assert [o.token_ids for o in llm.generate(prompts, params, spec=spec)] == plain
     assert rounds["computed"] == 1 and rounds["reused"] >= 5
+    # requests finish in different rounds (their budgets differ), so both ways are taken
+    assert 1 <= rounds["stacked"] < rounds["reused"]
 
 
 @pytest.mark.parametrize("spec", [SpecConfig.chain(6), SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)],

@@ -81,29 +81,34 @@ def _map_batch(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj if all(new[n] is getattr(obj, n) for n in names) else dataclasses.replace(obj, **new)
 
 
-def _signature(obj: Any, out: list, order: dict[int, int]) -> None:
+def _signature(obj: Any, out: list, order: dict[int, int], loose: list | None = None) -> None:
     """Append to `out` everything about obj that a compiled step's guards can check and a
     call can change: each tensor's shape, strides, dtype and device, with which earlier
     argument it is (`order`: object id -> first position, so that one tensor passed twice
     differs from two tensors), each other leaf's type and value, and the containers'
-    structure. Tensor values are not part of it: guards never read them."""
+    structure. Tensor values are not part of it: guards never read them. With `loose`, also
+    append to it every tensor with a batch dimension that is not contiguous (what
+    `CompiledStep` would replace by a contiguous copy; not the tensors passed whole, in a
+    `Shared`), in the same walk."""
     if isinstance(obj, torch.Tensor):
         out.append((order.setdefault(id(obj), len(order)), obj.shape, obj.stride(), obj.dtype, obj.device))
+        if loose is not None and obj.dim() > 0 and not obj.is_contiguous():
+            loose.append(obj)
     elif isinstance(obj, (list, tuple)):
         out.append((type(obj), len(obj)))
         for v in obj:
-            _signature(v, out, order)
+            _signature(v, out, order, loose)
     elif isinstance(obj, dict):
         out.append((dict, tuple(obj)))
         for v in obj.values():
-            _signature(v, out, order)
+            _signature(v, out, order, loose)
     elif isinstance(obj, Shared):
         out.append(type(obj))
         _signature(obj.storage, out, order)
     elif (names := _fields(type(obj))) is not None:
         out.append(type(obj))
         for n in names:
-            _signature(getattr(obj, n), out, order)
+            _signature(getattr(obj, n), out, order, loose)
     else:
         out.append((type(obj), obj))
 
@@ -391,7 +396,14 @@ class CompiledStep:
                 seen[id(t)] = t.contiguous()
             return seen[id(t)]
 
-        args = _map_batch(args, canonical)
+        # One walk gives the arguments' signature (`_call`) and whether any needs a
+        # contiguous copy; only then are they mapped, and the signature taken again.
+        signature: list | None = []
+        loose: list[torch.Tensor] = []
+        _signature(args, signature, {}, loose)
+        if loose:
+            args = _map_batch(args, canonical)
+            signature = None
         cls = self.shape_class(args)
         graphs = self.cuda_graphs
         if graphs:   # a new step: the last replay's outputs may be overwritten now
@@ -402,7 +414,7 @@ class CompiledStep:
             state = settings_now()   # settings changed since (threads, say): that step's own graph
             step = self.steps.get((cls, state)) or self._prepare(cls, state, args)
             try:
-                out = self._call(step, args)
+                out = self._call(step, args, signature)
             except COMPILER_ERRORS as e:       # a plain torch.compile step that cannot recompile
                 out = self._run_eagerly(e, args)
             except RuntimeError as e:
@@ -413,7 +425,7 @@ class CompiledStep:
             out = _map_batch(out, lambda t: t.clone())
         return out
 
-    def _call(self, step: Callable, args: tuple):
+    def _call(self, step: Callable, args: tuple, signature: list | None = None):
         """Run a saved step, checking its guards only for argument signatures they have not
         passed yet.
 
@@ -425,12 +437,14 @@ class CompiledStep:
         (`_signature`), the model (fixed for the step) and torch's settings (part of the
         step's key, `global_state`), so a signature that passed once passes again. A new
         signature goes through the guards as before; one they refuse raises as before
-        (then `_recompiled`). Steps without a separate check (the fallback) run as they are."""
+        (then `_recompiled`). Steps without a separate check (the fallback) run as they are.
+        `signature`: the arguments' own, when the caller took it already."""
         run, check = getattr(step, "fn", None), getattr(step, "guard_check", None)
         if run is None or check is None:
             return step(self.model, *args)
-        signature: list = []
-        _signature(args, signature, {})
+        if signature is None:
+            signature = []
+            _signature(args, signature, {})
         key = tuple(signature)
         passed = self.passed.setdefault(id(step), set())
         try:
