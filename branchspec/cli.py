@@ -89,7 +89,10 @@ def _generate(args) -> int:
         from branchspec.execution.compiled import report_progress
 
         report_progress()
-        info = llm.warmup(spec, batch_sizes=(1,))
+        # The verify graphs for this one request's decoding (a draw at its temperature alone
+        # has graphs of its own; a top-p cut runs the greedy ones).
+        mode = "sampled" if params.sampling_temperature > 0 and params.top_p >= 1.0 else "greedy"
+        info = llm.warmup(spec, batch_sizes=(1,), sampling=(mode,))
         print(f"fast path ready in {info['seconds']:.1f} s ({info['graphs']} graphs compiled, "
               f"{info['loaded']} loaded from the cache)", file=sys.stderr)
     if args.chat:

@@ -248,19 +248,25 @@ class LLM:
         known = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < known], skip_special_tokens=skip_special_tokens)
 
-    def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
+    def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] = (1, 2),
+               sampling: tuple[str, ...] = ("greedy", "sampled")) -> dict:
         """Run short dummy generations at each batch size with `spec`, so that a compiled
         LLM compiles every graph that configuration needs now rather than mid-request, and
         no other: a fixed SpecConfig never decodes plainly, so plain decoding is warmed by
         `warmup(None)`. Batch 1 and any batch of 2 or more cover all batch sizes. With
         `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
         warms plain decoding and every candidate. batch_sizes: positive integers; sizes past
-        the engine's max_batch_size run at max_batch_size (no batch grows larger). Returns
-        {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
-        instead}; on an eager LLM it only warms caches."""
+        the engine's max_batch_size run at max_batch_size (no batch grows larger).
+        sampling: the requests to warm for, "greedy" and/or "sampled": a speculative round
+        with a request sampled at its temperature alone (no top-p, top-k or min-p) draws its
+        tokens inside the verify graph, a graph of its own per D and batch class; other
+        requests (and plain decoding) run the greedy graphs. Returns {"seconds", "graphs"
+        compiled, "loaded": compiled steps loaded from the cache folder instead}; on an
+        eager LLM it only warms caches."""
         from branchspec.execution.compiled import compilations, steps_loaded
 
         sizes = _batch_sizes(batch_sizes, self.engine_config.max_batch_size)
+        temperatures = _warmup_temperatures(sampling)
         with self._exclusive("warmup"):
             policy = self.engine.policy(spec)
             t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
@@ -268,10 +274,11 @@ class LLM:
             prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
             for b in sizes:
                 for s in policy.configurations:
-                    # Long enough to cross a page of entries and finish rounds at every accept length.
-                    params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
-                                            ignore_eos=True, seed=0)
-                    self._run([prompt] * b, [params] * b, s, False)
+                    for t in temperatures if s is not None else temperatures[:1]:
+                        # Long enough to cross a page of entries and finish rounds at every accept length.
+                        params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
+                                                temperature=t, ignore_eos=True, seed=0)
+                        self._run([prompt] * b, [params] * b, s, False)
             return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0,
                     "loaded": steps_loaded() - loaded0}
 
@@ -445,6 +452,16 @@ def _batch_sizes(value, max_batch_size: int) -> tuple[int, ...]:
         raise ConfigError("LLM.warmup.batch_sizes is empty: give at least one batch size, such as (1,)")
     sizes = [check_int("LLM.warmup", f"batch_sizes[{i}]", b, minimum=1) for i, b in enumerate(value)]
     return tuple(dict.fromkeys(min(b, max_batch_size) for b in sizes))
+
+
+def _warmup_temperatures(value) -> tuple[float, ...]:
+    """warmup's sampling modes ("greedy", "sampled") as the temperatures its runs use."""
+    known = {"greedy": 0.0, "sampled": 1.0}
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not value or any(m not in known for m in value):
+        raise ConfigError(f"LLM.warmup.sampling must name one or both of 'greedy' and 'sampled', got {value!r}")
+    return tuple(known[m] for m in dict.fromkeys(value))
 
 
 def _check_messages(messages, name: str) -> None:

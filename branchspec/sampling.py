@@ -37,6 +37,20 @@ class SamplingBatch:
     # None when no request of the batch has any.
     rules: object | None = None
 
+    def untouched(self) -> torch.Tensor:
+        """[B] bool: rows whose token is the argmax or a draw at their temperature alone
+        (no top-p, top-k or min-p cut, no logits rules), which a verify pass can take
+        inside its own call (`node_draws`, `draw_tokens`). Rules belong to the batch, so
+        where any row has some, no row is."""
+        if self.rules is not None:
+            return torch.zeros_like(self.temperature, dtype=torch.bool)
+        uncut = self.top_p >= 1.0
+        if self.top_k is not None:
+            uncut &= self.top_k == 0
+        if self.min_p is not None:
+            uncut &= self.min_p == 0
+        return (self.temperature == 0) | uncut
+
     def rows(self, index: list[int]) -> "SamplingBatch":
         """The same for the requests at `index`."""
         pick = (lambda t: None if t is None else t[index])
@@ -118,6 +132,52 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return probs / probs.sum(-1, keepdim=True)
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token at u of each row's distribution: probs [..., V] (any non-negative mass),
+    u [...] in [0, 1) -> [...] long, the first token whose cumulative mass exceeds u times
+    the row's total, never a zero-probability one. A count rather than a search, so that it
+    is one kernel inside a compiled graph; the cumulative sums of non-negative numbers are
+    non-decreasing, so the count is the search's answer."""
+    cdf = probs.cumsum(-1)                                                               # [..., V]
+    drawn = (cdf <= (u * cdf[..., -1])[..., None]).sum(-1)
+    return drawn.clamp_(max=probs.shape[-1] - 1)
+
+
+@dataclass
+class NodeDraws:
+    """What a verify pass needs to draw the target's token at each node inside its own call,
+    for the rows sampled at their temperature alone (`SamplingBatch.untouched`)."""
+
+    rows: torch.Tensor           # [B] bool: drawn here (the other rows take the argmax)
+    temperature: torch.Tensor    # [B] float64 (1 where not drawn)
+    uniforms: torch.Tensor       # [B, N] float64: the uniform of a node at depth d (position L + d + 1)
+
+
+def node_draws(sampling: SamplingBatch, untouched: torch.Tensor, lengths: torch.Tensor, depths: int,
+               device: torch.device) -> NodeDraws | None:
+    """The draws of the untouched [B] rows with a temperature, for nodes at depths
+    0 .. depths - 1 on top of lengths [B] committed tokens; None when there are none. The
+    uniforms are the seeded ones (`seeded_uniforms`), computed on the host as
+    `target_tokens` computes them, so a row draws the same token in the call as after it."""
+    rows = untouched & (sampling.temperature > 0)                                        # [B]
+    if not bool(rows.any()):
+        return None
+    positions = lengths.cpu().numpy()[:, None] + 1 + np.arange(depths)[None, :]          # [B, N]
+    u = torch.from_numpy(seeded_uniforms(sampling.seeds, positions))
+    return NodeDraws(rows=rows.to(device), temperature=torch.where(rows, sampling.temperature, 1.0).to(device),
+                     uniforms=u.to(device))
+
+
+def draw_tokens(logits: torch.Tensor, draws: NodeDraws, depth: torch.Tensor, otherwise: torch.Tensor
+                ) -> torch.Tensor:
+    """Inside a verify pass: logits [B, N, V] at nodes of depth [B, N]; the drawn rows'
+    tokens by inverse CDF at their temperature, `otherwise` [B, N] elsewhere. The same
+    arithmetic as `target_tokens` for such a row, as a pure function of tensors."""
+    u = draws.uniforms.gather(1, depth.clamp(0, draws.uniforms.shape[1] - 1))          # [B, N]
+    probs = torch.softmax(logits.double() / draws.temperature[:, None, None], dim=-1)  # [B, N, V]
+    return torch.where(draws.rows[:, None], inverse_cdf(probs, u), otherwise)
+
+
 def target_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
     """The target's token at every node: logits [B, N, V] -> [B, N].
 
@@ -132,14 +192,10 @@ def target_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torc
     if sampled:
         probs = sampling_probs(logits[sampled], temperature[sampled], top_p[sampled],   # [S, N, V]
                                *(None if t is None else t[sampled] for t in (sampling.top_k, sampling.min_p)))
-        # One batched search (torch.multinomial per request costs ~1.5 ms a call here):
-        # the first token whose cumulative mass exceeds u, never a zero-probability one.
-        cdf = probs.cumsum(-1)                                                          # [S, N, V]
+        # One batched inverse CDF (torch.multinomial per request costs ~1.5 ms a call here).
         # Drawn on the host in exact integer arithmetic: the same u on every device.
         u = seeded_uniforms([sampling.seeds[b] for b in sampled], positions[sampled].cpu().numpy())
-        u = torch.from_numpy(u).to(cdf.device, cdf.dtype) * cdf[..., -1]                # [S, N]
-        draws = torch.searchsorted(cdf, u[..., None], right=True)[..., 0]
-        out[sampled] = draws.clamp_(max=probs.shape[-1] - 1)
+        out[sampled] = inverse_cdf(probs, torch.from_numpy(u).to(probs.device, probs.dtype))
     return out
 
 

@@ -56,7 +56,7 @@ def main() -> None:
     t0, graphs = time.perf_counter(), compilations()
     sizes = tuple(sorted({min(b, 2) for b in batches}))
     llm.warmup(None, batch_sizes=sizes)
-    llm.warmup(policy, batch_sizes=sizes)
+    llm.warmup(policy, batch_sizes=sizes, sampling=("greedy",))
     warm = {"seconds": round(time.perf_counter() - t0, 1), "graphs": compilations() - graphs}
     print(f"warm-up: {warm['graphs']} graphs in {warm['seconds']} s", flush=True)
     pool = [e.prompt for e in load_workload("gsm8k", "eval")]

@@ -58,7 +58,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     if args.compile:
         for _, spec in SPECS:
-            llm.warmup(spec, batch_sizes=(1,))
+            llm.warmup(spec, batch_sizes=(1,), sampling=("greedy",))
     results: dict[tuple[int, str], list[dict]] = {}
     for _ in range(args.repeats):
         for n, vocab in vocabs.items():

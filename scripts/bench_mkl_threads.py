@@ -35,7 +35,7 @@ def main() -> None:
     for b in sorted({min(b, 2) for b in batches}):
         llm.warmup(None, batch_sizes=(b,))
     for spec in TREES.values():
-        llm.warmup(spec, batch_sizes=(1,))
+        llm.warmup(spec, batch_sizes=(1,), sampling=("greedy",))
     params = SamplingParams(max_tokens=96, ignore_eos=True)
     # (label, batch, MKL's one-thread bound: 0 never, the batch size: this step)
     cells = [(f"plain, MKL {'one thread' if one else 'all threads'}", b, b if one else 0)

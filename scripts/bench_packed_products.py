@@ -91,7 +91,7 @@ def main() -> None:
           ", ".join(packed_products(llms["packed"].model)), flush=True)
     for llm in llms.values():
         for spec in SPECS.values():
-            llm.warmup(spec, batch_sizes=(min(args.batch, 2),))
+            llm.warmup(spec, batch_sizes=(min(args.batch, 2),), sampling=("greedy",))
     params = SamplingParams(max_tokens=96, ignore_eos=True)
     runs = {(name, s): [] for name in llms for s in SPECS}
     tokens = {}

@@ -78,7 +78,7 @@ def main() -> None:
     eager, fast = LLM(seed=0), LLM(seed=0, compile=True)
     ids = fast.encode(PROMPT)
     for _, spec in SPECS:
-        fast.warmup(spec, batch_sizes=(1,))
+        fast.warmup(spec, batch_sizes=(1,), sampling=("greedy",))
     with tempfile.TemporaryDirectory() as tmp:
         folder = export_hf_folder(DEFAULT_CHECKPOINT, Path(tmp) / "hf")
         paths = {"transformers generate": transformers_generate(str(folder), ids, args.max_tokens)}

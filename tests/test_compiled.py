@@ -39,8 +39,10 @@ def llms(ckpt, tmp_path_factory):
         eager = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
         fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
         loaded = steps_loaded()
-        warm = {"tree": fast.warmup(TREE, batch_sizes=(1, 2)), "chain": fast.warmup(CHAIN, batch_sizes=(1, 2)),
-                "calibrated": fast.warmup(CALIBRATED, batch_sizes=(1, 2)),
+        greedy = ("greedy",)
+        warm = {"tree": fast.warmup(TREE, batch_sizes=(1, 2)),
+                "chain": fast.warmup(CHAIN, batch_sizes=(1, 2), sampling=greedy),
+                "calibrated": fast.warmup(CALIBRATED, batch_sizes=(1, 2), sampling=greedy),
                 "plain": fast.warmup(None, batch_sizes=(1, 2)), "loaded": steps_loaded() - loaded}
         yield eager, fast, warm
     torch.set_num_threads(n)
@@ -51,10 +53,11 @@ def test_warmup_compiles_a_few_graphs(llms):
     # A configuration compiles what it runs and nothing else, once at batch 1 and once for
     # any larger batch. The tree: the target at D nodes (verify), the drafter at one node
     # (first root), its growth and its draft extend (D + 1 nodes, the path's commit in the
-    # same graph). The chain of the same D, and the calibrated tree of the same shape, then
-    # need only their own growth; plain decoding, the target at one node (its commit in the
-    # same graph).
-    assert warm["tree"]["graphs"] == 2 * 4
+    # same graph); and for requests sampled at their temperature alone, the verify pass
+    # that draws their tokens in its graph. The chain of the same D, and the calibrated tree
+    # of the same shape, warmed for greedy requests, then need only their own growth; plain
+    # decoding, the target at one node (its commit in the same graph).
+    assert warm["tree"]["graphs"] == 2 * 5
     assert warm["chain"]["graphs"] == 2 * 1
     assert warm["calibrated"]["graphs"] == 2 * 1
     assert warm["plain"]["graphs"] == 2 * 1
@@ -66,7 +69,7 @@ def test_a_second_llm_loads_the_compiled_steps(llms, ckpt):
     before, loaded = compilations(), steps_loaded()
     again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
     again.warmup(TREE, batch_sizes=(1,))
-    assert steps_loaded() - loaded == 4
+    assert steps_loaded() - loaded == 5
     assert compilations() == before
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ours = [o.token_ids for o in again.generate(PROMPTS[:3], params, spec=TREE)]
@@ -179,16 +182,18 @@ def test_a_new_signature_goes_through_the_guards(monkeypatch):
 
 
 def test_compiled_mixed_batches_equal_eager(llms):
-    """Greedy rows are accepted and committed inside the compiled verify graph, sampled
-    rows after it, and where any row has logits rules every row after it: batches of
-    each mix give the eager engine's tokens, row for row, on warm graphs."""
+    """Greedy rows, and rows sampled at their temperature alone, are accepted and committed
+    inside the compiled verify graph (the sampled ones in the graph that draws), rows with
+    a top-p cut after it, and where any row has logits rules every row after it: batches
+    of each mix give the eager engine's tokens, row for row, on warm graphs."""
     eager, fast, _ = llms
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=5),
                SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, top_p=0.9, seed=9)]
     biased = SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={7: 2.0, 11: -1.5})
     before = compilations()
-    for params in ([greedy, sampled[0], greedy, sampled[1]], [greedy, biased, sampled[0]]):
+    for params in ([greedy, sampled[0], greedy, sampled[1]], [greedy, biased, sampled[0]], [sampled[0]],
+                   [sampled[0], greedy]):
         prompts = PROMPTS[:len(params)]
         ours = [o.token_ids for o in fast.generate(prompts, params, spec=TREE)]
         assert ours == [o.token_ids for o in eager.generate(prompts, params, spec=TREE)]
@@ -231,7 +236,7 @@ def test_an_unreadable_saved_step_is_compiled_again(llms, ckpt, caplog):
     before, loaded = compilations(), steps_loaded()
     again = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)
     with caplog.at_level(logging.INFO, logger="branchspec.compiled"):
-        again.warmup(TREE, batch_sizes=(1,))
+        again.warmup(TREE, batch_sizes=(1,), sampling=("greedy",))
     assert (compilations() - before, steps_loaded() - loaded) == (1, 3)
     # The one compilation says when it starts and ends (long work shows progress).
     assert "compiling verify_forward-d6-static for plan-batch1-page4 (" in caplog.text
@@ -308,10 +313,12 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
             ours = [o.token_ids for o in fast.generate(PROMPTS[:2], params, spec=spec)]
         assert ours == [o.token_ids for o in eager.generate(PROMPTS[:2], params, spec=spec)]
         eagerly = [str(w.message) for w in caught if "running this step eagerly" in str(w.message)]
-        # the tree runs four compiled functions (the verify pass, the drafter's forward at
-        # the root, the growth and the draft extend), plain decoding one more
-        assert len(eagerly) == (4 if spec is TREE else 1), eagerly
-    assert calls == {"saved": 5, "fallback": 5}
+        # the tree runs five compiled functions (the verify pass that draws while the sampled
+        # request runs, the one that does not once only the greedy one is left, the
+        # drafter's forward at the root, the growth and the draft extend), plain decoding
+        # one more
+        assert len(eagerly) == (5 if spec is TREE else 1), eagerly
+    assert calls == {"saved": 6, "fallback": 6}
     assert fast.engine.cache.tables == {}
 
 

@@ -380,6 +380,13 @@ def test_bad_warmup_batch_sizes(llm, still_serves, batch_sizes, error, match):
     refused(error, match, lambda: llm.warmup(TREE, batch_sizes=batch_sizes))
 
 
+@pytest.mark.parametrize("sampling", [(), ("greedy", "beam"), "top_p", None, ("Greedy",)],
+                         ids=["empty", "unknown", "unknown-str", "none", "case"])
+def test_bad_warmup_sampling_modes(llm, still_serves, sampling):
+    refused(ValueError, r"LLM.warmup.sampling must name one or both of 'greedy' and 'sampled'",
+            lambda: llm.warmup(TREE, sampling=sampling))
+
+
 def test_warmup_takes_sizes_past_the_batch_as_the_batch(llm, still_serves):
     assert llm.warmup(None, batch_sizes=(1, 64, 4))["graphs"] == 0      # eager: nothing to compile
 

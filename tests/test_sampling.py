@@ -5,7 +5,8 @@ batch or on the other nodes drawn beside it."""
 import numpy as np
 import torch
 
-from branchspec.sampling import SamplingBatch, philox4x32, seeded_uniforms, target_tokens
+from branchspec.sampling import (SamplingBatch, draw_tokens, inverse_cdf, node_draws, philox4x32, seeded_uniforms,
+                                 target_tokens)
 
 # Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words).
 KNOWN_ANSWERS = [
@@ -60,3 +61,51 @@ def test_a_draw_depends_on_its_own_position_only():
     many = target_tokens(logits.expand(1, 20_000, 50), one, torch.arange(20_000)[None])[0]
     freq = torch.bincount(many, minlength=50).double() / 20_000
     assert (freq - probs).abs().max() < 0.015
+
+
+def test_the_verify_calls_draws_are_target_tokens_draws():
+    """A verify pass draws the tokens of rows sampled at their temperature alone inside its
+    own call (`node_draws`, `draw_tokens`), from uniforms indexed by each node's depth: the
+    same tokens `target_tokens` draws for those rows after the call, whatever the tree's
+    shape; rows with a cut (top-p, top-k, min-p) or rules are left to `target_tokens`, and
+    greedy rows keep the argmax. Negative control: a node read at its parent's depth draws
+    other tokens."""
+    g = torch.Generator().manual_seed(1)
+    B, N, V = 5, 7, 40
+    logits = torch.randn(B, N, V, generator=g, dtype=torch.float64) * 2
+    temperature = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.5], dtype=torch.float64)
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.9, 1.0], dtype=torch.float64)
+    top_k = torch.tensor([0, 0, 0, 0, 3])
+    batch = SamplingBatch(temperature, top_p, [3, 4, 5, 6, 2**64 - 1], [None] * B, top_k=top_k)
+    assert batch.untouched().tolist() == [True, True, True, False, False]
+    lengths = torch.tensor([9, 0, 130, 4, 17])
+    depth = torch.tensor([[0, 1, 1, 2, 3, 2, 4]] * B)              # a tree's nodes, root first
+    draws = node_draws(batch, batch.untouched(), lengths, N, logits.device)
+    assert draws.rows.tolist() == [True, False, True, False, False]
+    argmax = logits.argmax(-1)
+    in_call = draw_tokens(logits, draws, depth, argmax)
+    after = target_tokens(logits, batch, lengths[:, None] + depth + 1)
+    for b in (0, 1, 2):
+        assert in_call[b].tolist() == after[b].tolist()
+    assert (in_call[3:] == argmax[3:]).all()                         # not drawn in the call
+    assert (draw_tokens(logits, draws, (depth - 1).clamp(min=0), argmax) != after).any(), \
+        "a node drawn at another position's uniform went unnoticed"
+    assert node_draws(SamplingBatch(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64),
+                                    [1, 2], [None] * 2), torch.ones(2, dtype=torch.bool), lengths[:2], N,
+                      logits.device) is None                        # nothing to draw: the greedy graph
+
+
+def test_inverse_cdf_is_the_sorted_search():
+    """The count of cumulative masses at or below u is the search's first index above it,
+    ties and zero-probability tokens included (never drawn)."""
+    g = torch.Generator().manual_seed(2)
+    probs = torch.rand(64, 30, generator=g, dtype=torch.float64)
+    probs[probs < 0.3] = 0.0
+    probs[:, -1] = 0.0
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[0] = 0.0
+    cdf = probs.cumsum(-1)
+    searched = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=29)
+    drawn = inverse_cdf(probs, u)
+    assert drawn.tolist() == searched.tolist()
+    assert (probs.gather(1, drawn[:, None]) > 0).all()

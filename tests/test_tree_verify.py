@@ -250,14 +250,14 @@ def test_verify_commits_the_greedy_rows_argmax_path_and_nothing_else(tiny64, L, 
         return cache, v
 
     cache, v = verified([True, False])
-    assert v.greedy.path_len.tolist() == [D - 1, D - 1]                # the whole chain, not the sibling
+    assert v.acceptance.path_len.tolist() == [D - 1, D - 1]                # the whole chain, not the sibling
     ref = copy.deepcopy(base)
     feed(tiny64, ref, 0, rows[0][:D - 1], L, chunk=1)
     assert_same_state(cache.snapshot(0, L + D - 1), ref.snapshot(0, L + D - 1))
     only_row0, v0 = verified([False, False])
     assert max(state_diff(only_row0.snapshot(0, L + D - 1), ref.snapshot(0, L + D - 1)).values()) > 1e-6, \
         "an uncommitted path went unnoticed"                           # negative control
-    only_row0.commit([0, 1], v0.meta, v0.out.scratch, v0.greedy.keep & torch.tensor([[True], [False]]))
+    only_row0.commit([0, 1], v0.meta, v0.out.scratch, v0.acceptance.keep & torch.tensor([[True], [False]]))
     assert _storage_diff(cache, only_row0) == 0.0
     both, _ = verified([True, True])
     assert _storage_diff(both, only_row0) > 1e-6, "committing the unmarked row went unnoticed"

@@ -318,7 +318,8 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         # Compile every graph the grid needs before anything is timed.
         sizes = tuple(sorted({min(b, 2) for b in cfg.batch_sizes}))   # batch 1, and any larger, have graphs apart
         for spec in cfg.group():
-            compile_seconds += llm.warmup(spec, batch_sizes=sizes)["seconds"]
+            mode = "sampled" if cfg.temperature > 0 else "greedy"
+            compile_seconds += llm.warmup(spec, batch_sizes=sizes, sampling=(mode,))["seconds"]
     elif "auto" in cfg.policies:
         llm.engine.policy(cfg.auto_policy(), progress=True)   # the round-cost calibration, untimed
 

@@ -5,7 +5,8 @@
               where each completing node's pooled rows come from:
               metadata.tree_meta), then one target forward over every
               node of every tree, all it produces in scratch; for the
-              greedy requests also accept and commit, in the same call    (verify.verify_trees)
+              requests decoded by argmax or temperature alone also
+              accept and commit, in the same call                         (verify.verify_trees)
     accept -> the path of nodes whose tokens are the target's own         (accept.accept)
     commit -> copy only the accepted path's scratch into the pools        (executor.commit)
     extend -> the drafter follows the accepted path, and computes its
@@ -28,7 +29,7 @@ from branchspec.config import SpecConfig
 from branchspec.execution import Executor
 from branchspec.execution.timing import PhaseClock
 from branchspec.logits_process import NodePaths, process_logits
-from branchspec.sampling import SamplingBatch, emitted_logprobs, target_tokens
+from branchspec.sampling import SamplingBatch, emitted_logprobs, node_draws, target_tokens
 from branchspec.speculative.accept import Acceptance, accept
 from branchspec.speculative.drafter import Drafter
 from branchspec.speculative.verify import verify_trees
@@ -96,17 +97,19 @@ class SpeculativeRound:
         tree = self.drafter.propose(ids, L, batch.roots, spec, temperature)  # tokens, parents: [B, D]
         clock.lap("draft")
 
-        # Greedy rows without logits rules are accepted and committed inside the verify call.
-        greedy = (batch.sampling.temperature == 0) & (batch.sampling.rules is None)    # [B]
-        all_greedy = bool(greedy.all())
-        greedy = greedy.to(L.device)
+        # Rows decoded by the argmax or by their temperature alone are accepted and committed
+        # inside the verify call; rows with a cut or logits rules after it.
+        untouched = batch.sampling.untouched()                                         # [B]
+        all_in_call = bool(untouched.all())
+        draws = node_draws(batch.sampling, untouched, L, spec.num_draft_tokens, L.device)
+        in_call = untouched.to(L.device)
         max_path_len = batch.budget + 1     # a round never commits past a request's token budget
-        verified = verify_trees(self.executor, tree.tokens, tree.parents, ids, L, greedy, max_path_len)
-        out, meta, acc = verified.out, verified.meta, verified.greedy                # logits [B, D, V]
+        verified = verify_trees(self.executor, tree.tokens, tree.parents, ids, L, in_call, max_path_len, draws)
+        out, meta, acc = verified.out, verified.meta, verified.acceptance            # logits [B, D, V]
         clock.lap("verify")
 
-        if not all_greedy:
-            acc = self._accept_drawn(batch, tree, out, meta, greedy, acc, max_path_len)
+        if not all_in_call:
+            acc = self._accept_drawn(batch, tree, out, meta, in_call, acc, max_path_len)
         path_tokens = tree.tokens.gather(1, acc.path)                       # [B, D]
         path_len = acc.path_len.tolist()
         budget = batch.budget.tolist()
@@ -116,8 +119,8 @@ class SpeculativeRound:
         logprobs = emitted_logprobs(out.logits, acc.path, emitted, batch.sampling.num_logprobs)
         clock.lap("accept")
 
-        if not all_greedy:
-            self.executor.commit(ids, meta, out.scratch, acc.keep & ~greedy[:, None])
+        if not all_in_call:
+            self.executor.commit(ids, meta, out.scratch, acc.keep & ~in_call[:, None])
         clock.lap("commit")
 
         self.drafter.extend(ids, L, path_tokens, out.hidden, acc.path, acc.path_len, acc.bonus, spec.num_draft_tokens)
@@ -134,19 +137,20 @@ class SpeculativeRound:
                            seconds=time.perf_counter() - t0 - catch_up, catch_up_seconds=catch_up)
 
     @staticmethod
-    def _accept_drawn(batch: RoundBatch, tree, out, meta, greedy: torch.Tensor, by_argmax: Acceptance,
+    def _accept_drawn(batch: RoundBatch, tree, out, meta, in_call: torch.Tensor, by_call: Acceptance,
                       max_path_len: torch.Tensor) -> Acceptance:
-        """The accepted paths where the verify call did not accept them (sampled rows, rows
-        with logits rules): the target's token at every node drawn from its processed
-        logits, and the path they take; the greedy rows keep the path the call committed."""
+        """The accepted paths where the verify call did not accept them (rows with a top-p,
+        top-k or min-p cut, rows with logits rules): the target's token at every node drawn
+        from its processed logits, and the path they take; the rows accepted in the call
+        keep the path it committed."""
         # Each node's own rules (bias, min_tokens, penalties) see only its own prefix: the
         # committed output and its path in the tree. Logprobs stay the raw logits'.
         logits = process_logits(out.logits, batch.sampling.rules, NodePaths.tree(tree.tokens, meta.ancestor))
         # Each node sits at L + its depth and draws the token one further.
         target = target_tokens(logits, batch.sampling, meta.positions + 1)   # [B, D]
         drawn = accept(tree.tokens, tree.parents, meta.ancestor, target, max_path_len=max_path_len)
-        rows = greedy[:, None]
-        return Acceptance(path=torch.where(rows, by_argmax.path, drawn.path),
-                          path_len=torch.where(greedy, by_argmax.path_len, drawn.path_len),
-                          keep=torch.where(rows, by_argmax.keep, drawn.keep),
-                          bonus=torch.where(greedy, by_argmax.bonus, drawn.bonus))
+        rows = in_call[:, None]
+        return Acceptance(path=torch.where(rows, by_call.path, drawn.path),
+                          path_len=torch.where(in_call, by_call.path_len, drawn.path_len),
+                          keep=torch.where(rows, by_call.keep, drawn.keep),
+                          bonus=torch.where(in_call, by_call.bonus, drawn.bonus))

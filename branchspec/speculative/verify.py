@@ -1,12 +1,14 @@
-"""The verify pass: one target forward over every node of every draft tree and, for the
-requests decoded greedily, their acceptance and commit in the same call.
+"""The verify pass: one target forward over every node of every draft tree and, for most
+requests, their acceptance and commit in the same call.
 
-Greedy acceptance needs nothing but the verify's own logits (each node's argmax), so a
-request whose token is the argmax of the raw logits (temperature 0 and no logits rules)
-is accepted and committed inside the call: on the fast path that is one compiled graph,
-where accepting and committing were about a millisecond of eager ops between graphs at
-batch 1. The others (sampled, or with rules) get the same forward; their tokens are drawn
-from its logits afterwards (`sampling.target_tokens`) and their paths committed by
+A request whose token at a node is the argmax of the raw logits (temperature 0), or a
+draw from them at its temperature alone (no top-p, top-k or min-p cut), needs nothing but
+the verify's own logits and its seeded uniforms (`sampling.node_draws`), so it is accepted
+and committed inside the call (`SamplingBatch.untouched`): on the fast path that is one
+compiled graph, where accepting and committing took about a millisecond of eager ops
+between graphs in a greedy batch-1 round, and 2.2 ms in a sampled one (4x2 D = 8). The
+others (a cut, or logits rules) get the same forward; their tokens are drawn from its
+logits afterwards (`sampling.target_tokens`) and their paths committed by
 `Executor.commit`. Nothing a tree produces reaches the pools unless it is on its
 request's accepted path.
 """
@@ -21,20 +23,24 @@ from branchspec.cache.paged import AddressInputs, locate, read_states, write_nod
 from branchspec.execution import Executor
 from branchspec.model.metadata import ForwardMeta, tree_meta
 from branchspec.model.model import ForwardOutput, Transformer
+from branchspec.sampling import NodeDraws, draw_tokens
 from branchspec.speculative.accept import Acceptance, accept
 
 
 @dataclass(frozen=True)
 class VerifyPlan:
-    """A verify pass's static shape: D nodes per tree, and whether the plan's sizes are
-    fixed by their bounds rather than by the trees (`Executor.static_shapes`)."""
+    """A verify pass's static shape: D nodes per tree, whether the plan's sizes are fixed
+    by their bounds rather than by the trees (`Executor.static_shapes`), and whether some
+    rows draw their tokens in the call (a graph of its own: an all-greedy batch pays
+    nothing for sampling)."""
 
     num_draft_tokens: int
     static: bool = False
+    draws: bool = False
 
     @property
     def label(self) -> str:
-        return f"d{self.num_draft_tokens}" + ("-static" if self.static else "")
+        return f"d{self.num_draft_tokens}" + ("-static" if self.static else "") + ("-draws" if self.draws else "")
 
 
 @dataclass
@@ -43,41 +49,52 @@ class VerifyInputs:
     parents: torch.Tensor         # [B, D] each node's parent (-1: the root)
     num_committed: torch.Tensor   # [B] L: tokens committed before the round
     state: AddressInputs          # where each request's committed state lies, and a kept node's goes
-    greedy: torch.Tensor          # [B] bool: accepted by the argmax and committed in the call
+    in_call: torch.Tensor         # [B] bool: accepted and committed in the call
     max_path_len: torch.Tensor    # [B] most path nodes a request may commit (its budget + 1)
+    draws: NodeDraws | None = None   # the rows whose tokens are drawn in the call (None: all argmax)
 
 
 @dataclass
 class Verified:
     out: ForwardOutput            # logits [B, D, V], hidden [B, D, n*d], scratch
     meta: ForwardMeta             # the trees' plan (positions, ancestors, completions)
-    # Every row's path by the argmax at each node: for the greedy rows the accepted path,
-    # already committed; for the others only a by-product, replaced by their draws.
-    greedy: Acceptance
+    # Every row's path by the call's own token at each node (the argmax, or the draw of a
+    # row in `draws`): for the rows accepted in the call the accepted path, already
+    # committed; for the others only a by-product, replaced by their draws afterwards.
+    acceptance: Acceptance
 
 
 def verify_forward(model: Transformer, plan: VerifyPlan, x: VerifyInputs, shared: dict[str, torch.Tensor],
                    storage: dict[str, torch.Tensor]) -> Verified:
     """The trees' plan (`tree_meta`), the target's forward over their nodes reading the
-    committed state from the pools' storage (at addresses computed here, `locate`), the argmax path through each tree
-    (`accept`), and the greedy rows' paths written into the pools (`write_nodes`; the
-    other rows' writes go to the sink). A pure function of tensors: one compiled graph
-    per (D, batch class) on the fast path."""
+    committed state from the pools' storage (at addresses computed here, `locate`), the
+    target's token at every node (the argmax, or a seeded draw for the rows in `x.draws`),
+    the path it takes through each tree (`accept`), and the paths of the rows accepted in
+    the call written into the pools (`write_nodes`; the other rows' writes go to the sink).
+    A pure function of tensors: one compiled graph per (D, batch class, draws or not) on
+    the fast path."""
     meta = tree_meta(x.parents, x.num_committed, model.cfg.compressed_kinds, static=plan.static)
     out = model.forward(x.tokens, meta, read_states(model.cfg, storage, locate(model.cfg, x.state)))
-    acc = accept(x.tokens, x.parents, meta.ancestor, out.logits.argmax(dim=-1), x.max_path_len)
-    write_nodes(model.cfg, storage, x.state.tables, meta, out.scratch, acc.keep & x.greedy[:, None])
-    return Verified(out=out, meta=meta, greedy=acc)
+    target = out.logits.argmax(dim=-1)                                                  # [B, D]
+    if plan.draws:
+        # A node at depth d sits at L + d and draws the token at L + d + 1.
+        target = draw_tokens(out.logits, x.draws, meta.positions - x.num_committed[:, None], target)
+    acc = accept(x.tokens, x.parents, meta.ancestor, target, x.max_path_len)
+    write_nodes(model.cfg, storage, x.state.tables, meta, out.scratch, acc.keep & x.in_call[:, None])
+    return Verified(out=out, meta=meta, acceptance=acc)
 
 
 def verify_trees(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int],
-                 lengths: torch.Tensor, greedy: torch.Tensor, max_path_len: torch.Tensor) -> Verified:
+                 lengths: torch.Tensor, in_call: torch.Tensor, max_path_len: torch.Tensor,
+                 draws: NodeDraws | None = None) -> Verified:
     """`verify_forward` over draft trees tokens, parents [B, D] on top of lengths [B]
     committed tokens, through `executor` on its paged state (their pages reserved first);
-    greedy [B] bool: the rows to accept and commit in the call; max_path_len [B]."""
+    in_call [B] bool: the rows to accept and commit in the call; max_path_len [B]; draws:
+    the rows of in_call that draw their tokens (`sampling.node_draws`), the others of
+    in_call take the argmax."""
     static, cache = executor.static_shapes, executor.cache
-    plan = VerifyPlan(tokens.shape[1], static=static)
+    plan = VerifyPlan(tokens.shape[1], static=static, draws=draws is not None)
     inputs = VerifyInputs(tokens=tokens, parents=parents, num_committed=lengths,
-                          state=cache.address_inputs(seq_ids, lengths, whole_pages=static), greedy=greedy,
-                          max_path_len=max_path_len)
+                          state=cache.address_inputs(seq_ids, lengths, whole_pages=static), in_call=in_call,
+                          max_path_len=max_path_len, draws=draws)
     return executor.graph(verify_forward, plan, inputs, {}, pools=True)

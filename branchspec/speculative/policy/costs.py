@@ -405,9 +405,9 @@ class _Calls:
             parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
             # As a round's verify runs, its greedy commit included (written to the sink here:
             # the private state stays as it is).
-            greedy = torch.zeros(B, dtype=torch.bool, device=new.device)
+            in_call = torch.zeros(B, dtype=torch.bool, device=new.device)
             most = torch.full((B,), n, device=new.device)
-            return lambda: verify_trees(ex, new, parents, ids, L, greedy, most)
+            return lambda: verify_trees(ex, new, parents, ids, L, in_call, most)
         if name == "extend":
             return self._extend(n - 1)
         prev = self.hidden.expand(B, n, self.hidden.shape[-1])
