@@ -257,10 +257,10 @@ class LLM:
         `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
         warms plain decoding and every candidate. batch_sizes: positive integers; sizes past
         the engine's max_batch_size run at max_batch_size (no batch grows larger).
-        sampling: the requests to warm for, "greedy" and/or "sampled": a speculative round
-        with a request sampled at its temperature alone (no top-p, top-k or min-p) draws its
-        tokens inside the verify graph, a graph of its own per D and batch class; other
-        requests (and plain decoding) run the greedy graphs. Returns {"seconds", "graphs"
+        sampling: the requests to warm for, "greedy" and/or "sampled": a batch with a request
+        sampled at its temperature alone (no top-p, top-k or min-p), the others greedy or
+        alike, draws its tokens inside the plain step's or the verify pass's graph, a graph
+        of its own per D and batch class; other requests run the greedy graphs. Returns {"seconds", "graphs"
         compiled, "loaded": compiled steps loaded from the cache folder instead}; on an
         eager LLM it only warms caches."""
         from branchspec.execution.compiled import compilations, steps_loaded
@@ -274,7 +274,7 @@ class LLM:
             prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
             for b in sizes:
                 for s in policy.configurations:
-                    for t in temperatures if s is not None else temperatures[:1]:
+                    for t in temperatures:
                         # Long enough to cross a page of entries and finish rounds at every accept length.
                         params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
                                                 temperature=t, ignore_eos=True, seed=0)

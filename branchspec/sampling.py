@@ -178,6 +178,14 @@ def draw_tokens(logits: torch.Tensor, draws: NodeDraws, depth: torch.Tensor, oth
     return torch.where(draws.rows[:, None], inverse_cdf(probs, u), otherwise)
 
 
+def step_tokens(logits: torch.Tensor, draws: NodeDraws) -> torch.Tensor:
+    """A plain decode step's tokens, inside its graph: logits [B, 1, V] -> [B, 1], the
+    argmax, or for the rows in `draws` (uniforms [B, 1], at position L + 1) the seeded
+    draw at their temperature."""
+    argmax = logits.argmax(dim=-1)                                                      # [B, 1]
+    return draw_tokens(logits, draws, torch.zeros_like(argmax), argmax)
+
+
 def target_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
     """The target's token at every node: logits [B, N, V] -> [B, N].
 

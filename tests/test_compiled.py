@@ -56,11 +56,12 @@ def test_warmup_compiles_a_few_graphs(llms):
     # same graph); and for requests sampled at their temperature alone, the verify pass
     # that draws their tokens in its graph. The chain of the same D, and the calibrated tree
     # of the same shape, warmed for greedy requests, then need only their own growth; plain
-    # decoding, the target at one node (its commit in the same graph).
+    # decoding, the target at one node (its commit in the same graph), and the same step
+    # drawing its tokens.
     assert warm["tree"]["graphs"] == 2 * 5
     assert warm["chain"]["graphs"] == 2 * 1
     assert warm["calibrated"]["graphs"] == 2 * 1
-    assert warm["plain"]["graphs"] == 2 * 1
+    assert warm["plain"]["graphs"] == 2 * 2
     assert warm["loaded"] == 0, "the module's cache folder starts empty"
 
 
@@ -184,7 +185,8 @@ def test_a_new_signature_goes_through_the_guards(monkeypatch):
 def test_compiled_mixed_batches_equal_eager(llms):
     """Greedy rows, and rows sampled at their temperature alone, are accepted and committed
     inside the compiled verify graph (the sampled ones in the graph that draws), rows with
-    a top-p cut after it, and where any row has logits rules every row after it: batches
+    a top-p cut after it, and where any row has logits rules every row after it; plain
+    decoding draws in its step's graph where every row is greedy or sampled alone: batches
     of each mix give the eager engine's tokens, row for row, on warm graphs."""
     eager, fast, _ = llms
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -192,11 +194,12 @@ def test_compiled_mixed_batches_equal_eager(llms):
                SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, top_p=0.9, seed=9)]
     biased = SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={7: 2.0, 11: -1.5})
     before = compilations()
-    for params in ([greedy, sampled[0], greedy, sampled[1]], [greedy, biased, sampled[0]], [sampled[0]],
-                   [sampled[0], greedy]):
-        prompts = PROMPTS[:len(params)]
-        ours = [o.token_ids for o in fast.generate(prompts, params, spec=TREE)]
-        assert ours == [o.token_ids for o in eager.generate(prompts, params, spec=TREE)]
+    for spec in (TREE, None):
+        for params in ([greedy, sampled[0], greedy, sampled[1]], [greedy, biased, sampled[0]], [sampled[0]],
+                       [sampled[0], greedy]):
+            prompts = PROMPTS[:len(params)]
+            ours = [o.token_ids for o in fast.generate(prompts, params, spec=spec)]
+            assert ours == [o.token_ids for o in eager.generate(prompts, params, spec=spec)]
     assert compilations() == before, "a compiled step recompiled after warm-up"
     assert fast.engine.cache.tables == {}
 
@@ -316,9 +319,9 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
         # the tree runs five compiled functions (the verify pass that draws while the sampled
         # request runs, the one that does not once only the greedy one is left, the
         # drafter's forward at the root, the growth and the draft extend), plain decoding
-        # one more
-        assert len(eagerly) == (5 if spec is TREE else 1), eagerly
-    assert calls == {"saved": 6, "fallback": 6}
+        # two more (its step drawing the tokens, then the greedy one's alone)
+        assert len(eagerly) == (5 if spec is TREE else 2), eagerly
+    assert calls == {"saved": 7, "fallback": 7}
     assert fast.engine.cache.tables == {}
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from branchspec.sampling import (SamplingBatch, draw_tokens, inverse_cdf, node_draws, philox4x32, seeded_uniforms,
-                                 target_tokens)
+                                 step_tokens, target_tokens)
 
 # Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words).
 KNOWN_ANSWERS = [
@@ -67,7 +67,7 @@ def test_the_verify_calls_draws_are_target_tokens_draws():
     """A verify pass draws the tokens of rows sampled at their temperature alone inside its
     own call (`node_draws`, `draw_tokens`), from uniforms indexed by each node's depth: the
     same tokens `target_tokens` draws for those rows after the call, whatever the tree's
-    shape; rows with a cut (top-p, top-k, min-p) or rules are left to `target_tokens`, and
+    shape (and a plain step's, `step_tokens`, at its one node); rows with a cut (top-p, top-k, min-p) or rules are left to `target_tokens`, and
     greedy rows keep the argmax. Negative control: a node read at its parent's depth draws
     other tokens."""
     g = torch.Generator().manual_seed(1)
@@ -90,6 +90,10 @@ def test_the_verify_calls_draws_are_target_tokens_draws():
     assert (in_call[3:] == argmax[3:]).all()                         # not drawn in the call
     assert (draw_tokens(logits, draws, (depth - 1).clamp(min=0), argmax) != after).any(), \
         "a node drawn at another position's uniform went unnoticed"
+    # A plain step's draw in its call (one node per row, at position L + 1) likewise.
+    one = node_draws(batch, batch.untouched(), lengths, 1, logits.device)
+    step = step_tokens(logits[:, :1], one)
+    assert step[:3].tolist() == target_tokens(logits[:3, :1], batch.rows([0, 1, 2]), lengths[:3, None] + 1).tolist()
     assert node_draws(SamplingBatch(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64),
                                     [1, 2], [None] * 2), torch.ones(2, dtype=torch.bool), lengths[:2], N,
                       logits.device) is None                        # nothing to draw: the greedy graph

@@ -22,7 +22,7 @@ from branchspec.execution.timing import PhaseClock
 from branchspec.logits_process import LogitsRules, NodePaths, process_logits
 from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
-from branchspec.sampling import SamplingBatch, emitted_logprobs, logprob_dicts, target_tokens
+from branchspec.sampling import SamplingBatch, emitted_logprobs, logprob_dicts, node_draws, target_tokens
 from branchspec.speculative.drafter import Drafter
 from branchspec.speculative.round import RoundBatch, RoundResult, SpeculativeRound
 
@@ -242,12 +242,21 @@ class ModelRunner:
         clock = PhaseClock(self.sync)
         ids, L = batch.seq_ids, batch.lengths
         roots = batch.roots[:, None]                                          # [B, 1]
+        # Where some request samples and every one is decoded by the argmax or its
+        # temperature alone, the step draws the tokens in its own call.
+        untouched = batch.sampling.untouched()
+        draws = node_draws(batch.sampling, untouched, L, 1, L.device) if bool(untouched.all()) else None
         with one_row_products(batch.size, L.device):     # one row a product: MKL on one thread
-            out = self.executor.decode(roots, ids, L)      # fed through the target and committed
+            if draws is None:
+                out = self.executor.decode(roots, ids, L)      # fed through the target and committed
+            else:
+                out, tokens = self.executor.decode_and_draw(roots, ids, L, draws)
         clock.lap("verify")
-        logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
-        # The root sits at position L: the token drawn is at L + 1.
-        emitted = [[t] for t in target_tokens(logits, batch.sampling, L[:, None] + 1)[:, 0].tolist()]
+        if draws is None:
+            logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
+            # The root sits at position L: the token drawn is at L + 1.
+            tokens = target_tokens(logits, batch.sampling, L[:, None] + 1)
+        emitted = [[t] for t in tokens[:, 0].tolist()]
         if follow:
             self.drafter.follow(ids, L, roots, out.hidden, [1] * batch.size, now=False)
         nodes = torch.zeros(batch.size, 1, dtype=torch.long)

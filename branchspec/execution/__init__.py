@@ -12,6 +12,7 @@ from branchspec.cache.paged import PagedState
 from branchspec.model.attention import LayerScratch, LayerState
 from branchspec.model.metadata import ForwardMeta
 from branchspec.model.model import ForwardOutput, Transformer
+from branchspec.sampling import NodeDraws
 
 
 class Executor(Protocol):
@@ -32,6 +33,9 @@ class Executor(Protocol):
                 lengths: torch.Tensor, logits_at: torch.Tensor | None = None) -> ForwardOutput: ...
 
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput: ...
+
+    def decode_and_draw(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor, draws: NodeDraws
+                        ) -> tuple[ForwardOutput, torch.Tensor]: ...
 
     def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch], keep: torch.Tensor
                ) -> None: ...

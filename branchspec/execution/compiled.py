@@ -35,6 +35,7 @@ from branchspec.model.layers import build_stacked, packed_products
 from branchspec.model.matmul import native_kernel
 from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
+from branchspec.sampling import NodeDraws, step_tokens
 
 
 class Shared:
@@ -219,6 +220,16 @@ def decode_step(model: Transformer, input_ids: torch.Tensor, pools: Pools, state
     out = model.forward(input_ids, meta, read_states(model.cfg, pools.storage, locate(model.cfg, state)))
     write_nodes(model.cfg, pools.storage, state.tables, meta, out.scratch, meta.valid)
     return dataclasses.replace(out, scratch=[])
+
+
+def decode_draw_step(model: Transformer, input_ids: torch.Tensor, pools: Pools, state: AddressInputs,
+                     draws: NodeDraws) -> tuple[ForwardOutput, torch.Tensor]:
+    """`decode_step` and each sequence's next token [B, 1] in the same graph: the argmax,
+    or for the rows sampled at their temperature alone a seeded draw (`sampling.step_tokens`).
+    After the graph such a step had about 0.7 ms of eager ops at batch 1 (1.1 ms at
+    batch 4) drawing one token per request."""
+    out = decode_step(model, input_ids, pools, state)
+    return out, step_tokens(out.logits, draws)
 
 
 def drafter_step(model: Transformer, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta,
@@ -548,10 +559,12 @@ def tracing_settings():
     return fx_config.patch(use_duck_shape=False)
 
 
-def compile_steps(model: Transformer) -> tuple["CompiledStep", "CompiledStep"]:
-    """(plain decode step, MTP forward), compiled (see `CompiledStep`); whole functions
-    (a tree's growth, the verify pass) get theirs per plan (`CompiledExecutor.graph`)."""
-    return CompiledStep(model, decode_step), CompiledStep(model, drafter_step, drafter=True)
+def compile_steps(model: Transformer) -> tuple["CompiledStep", "CompiledStep", "CompiledStep"]:
+    """(plain decode step, MTP forward, plain decode step drawing its tokens), compiled
+    (see `CompiledStep`); whole functions (a tree's growth, the verify pass) get theirs
+    per plan (`CompiledExecutor.graph`)."""
+    return (CompiledStep(model, decode_step), CompiledStep(model, drafter_step, drafter=True),
+            CompiledStep(model, decode_draw_step))
 
 
 def compilations() -> int:
@@ -580,11 +593,13 @@ class CompiledExecutor(EagerExecutor):
     tree's frontier and a draft extend share one graph. The model must be built with the
     dense expert dispatch (no shape may follow the routing).
 
-    A plain decode step, a draft extend and a verify pass's greedy rows commit inside
-    their graphs. The commit of a verify pass's other rows (sampled, after their tokens
-    are drawn outside any graph) runs eagerly, as on the eager path: as a graph of its own
-    it took as long as the eager writes (0.6-0.7 ms a round at batch 1 either way, most of
-    it the call's argument handling and guards).
+    A plain decode step, a draft extend and a verify pass's greedy rows and rows sampled
+    at their temperature alone commit inside their graphs (the sampled ones drawn there
+    too, as a plain step's tokens can be: `decode_and_draw`). The commit of a verify
+    pass's other rows (a top-p, top-k or min-p cut, logits rules: drawn outside any graph)
+    runs eagerly, as on the eager path: as a graph of its own it took as long as the eager
+    writes (0.6-0.7 ms a round at batch 1 either way, most of it the call's argument
+    handling and guards).
     """
 
     name = "compiled"
@@ -603,7 +618,7 @@ class CompiledExecutor(EagerExecutor):
             build_stacked(model)     # the compiled steps read the stacked projections built now
             steps = compile_steps(model)
         self.steps = steps
-        self._decode, self._drafter = steps
+        self._decode, self._drafter, self._decode_draw = steps
         # (fn, plan) -> its compiled step (`graph`), shared with `over`'s executors
         self.graphs: dict = {} if graphs is None else graphs
 
@@ -621,6 +636,11 @@ class CompiledExecutor(EagerExecutor):
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
         # The step addresses its state, builds its metadata and commits in its graph.
         return self._decode(roots, Pools(self.cache.storage), self.cache.address_inputs(seq_ids, lengths, whole_pages=True))
+
+    def decode_and_draw(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor, draws: NodeDraws
+                        ) -> tuple[ForwardOutput, torch.Tensor]:
+        return self._decode_draw(roots, Pools(self.cache.storage),
+                                 self.cache.address_inputs(seq_ids, lengths, whole_pages=True), draws)
 
     def drafter(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: ForwardMeta,
                 state: LayerState) -> ForwardOutput:

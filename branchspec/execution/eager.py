@@ -8,6 +8,7 @@ from branchspec.cache.paged import PagedState
 from branchspec.model.attention import LayerScratch, LayerState
 from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
+from branchspec.sampling import NodeDraws, step_tokens
 
 
 class EagerExecutor:
@@ -50,6 +51,14 @@ class EagerExecutor:
         out = self.prefill(roots, meta, seq_ids, lengths)
         self.cache.commit(seq_ids, meta, out.scratch, meta.valid)
         return out
+
+    def decode_and_draw(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor, draws: NodeDraws
+                        ) -> tuple[ForwardOutput, torch.Tensor]:
+        """`decode`, and each request's next token [B, 1]: the argmax, or for the rows in
+        `draws` (sampled at their temperature alone) the seeded draw (`sampling.step_tokens`),
+        as one function on the fast path."""
+        out = self.decode(roots, seq_ids, lengths)
+        return out, step_tokens(out.logits, draws)
 
     def commit(self, seq_ids: list[int], meta: ForwardMeta, scratch: list[LayerScratch], keep: torch.Tensor) -> None:
         """Write the scratch of a verify pass's kept nodes (keep: [B, D], the accepted
