@@ -15,18 +15,23 @@ luck as speed. Checks that eager and compiled produce the same tokens. Prints a 
 (per workload, and "all": both pooled), the goals, then one line of JSON; --plot FILE
 also draws the speedups (PNG). MBPP comes from --mbpp-path (else $BRANCHSPEC_MBPP, else
 the Hugging Face hub); where it is unavailable the run goes on with GSM8K alone.
+--temperature T samples instead of decoding greedily, each prompt with a seed of its own
+(the same in every turn and on both paths), so turns and paths draw the same tokens.
 
     python scripts/bench_fast_path.py [--threads N] [--repeats 3] [--batches 1,4,16,64] [--no-eager] [--plot FILE]
                                       [--dtype float32|bfloat16] [--num-prompts 4] [--mbpp-path FILE]
+                                      [--temperature 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
 import time
+import zlib
 from collections import defaultdict
 
 import torch
@@ -61,6 +66,11 @@ def calls_of(prompts: list[str], batch: int) -> list[list[str]]:
     return [[prompts[(i * batch + j) % len(prompts)] for j in range(batch)] for i in range(n)]
 
 
+def seed_of(prompt: str) -> int:
+    """A prompt's own seed, the same in every process (Python's str hash is not)."""
+    return zlib.crc32(prompt.encode())
+
+
 def in_turn(llm: LLM, calls: dict[str, list[list[str]]], params: SamplingParams, specs,
             repeats: int) -> tuple[dict, dict]:
     """Every configuration of `specs` over the same calls (workload -> calls), one after
@@ -76,7 +86,9 @@ def in_turn(llm: LLM, calls: dict[str, list[list[str]]], params: SamplingParams,
             for workload, batches in calls.items():
                 tally = defaultdict(float)
                 for prompts in batches:
-                    outs = llm.generate(prompts, params, spec=spec)
+                    # A seed per prompt (sampled: the same draws in every turn and on either path).
+                    seeded = [dataclasses.replace(params, seed=seed_of(p)) for p in prompts]
+                    outs = llm.generate(prompts, seeded, spec=spec)
                     st = llm.last_stats
                     tally["seconds"] += st.decode_seconds
                     tally["tokens"] += st.num_generated
@@ -103,7 +115,7 @@ def in_turn(llm: LLM, calls: dict[str, list[list[str]]], params: SamplingParams,
     return out, tokens
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, temperature: float = 0.0) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,7 +131,8 @@ def plot(rows: list[dict], path: str) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
     ax.set_ylabel("speedup over compiled plain decoding")
-    ax.set_title("Speculative decoding on the compiled fast path (greedy, held-out prompts)")
+    mode = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+    ax.set_title(f"Speculative decoding on the compiled fast path ({mode}, held-out prompts)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -137,9 +150,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the compiled path's dtype; other than float32, compiled float32 plain decoding "
                          "is timed beside it as the plain configuration to beat")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above: sampled")
     args = ap.parse_args()
     if args.num_prompts < 1 or args.repeats < 1:
         ap.error(f"--num-prompts and --repeats must be at least 1, got {args.num_prompts} and {args.repeats}")
+    if not args.temperature >= 0.0:
+        ap.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -151,15 +167,16 @@ def main() -> None:
     fp32 = None if args.dtype == "float32" else LLM(seed=0, max_batch_size=max(batches), compile=True)
     t0, graphs = time.perf_counter(), compilations()
     sizes = tuple(sorted({min(b, 2) for b in batches}))
+    mode = "sampled" if args.temperature > 0 else "greedy"
     for _, spec in SPECS:
-        fast.warmup(spec, batch_sizes=sizes, sampling=("greedy",))
+        fast.warmup(spec, batch_sizes=sizes, sampling=(mode,))
     if fp32 is not None:
         fp32.warmup(None, batch_sizes=sizes)
     warmup = {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs}
     eager = None if args.no_eager else LLM(seed=0, max_batch_size=max(batches))
     rows, graphs = [], compilations()
     for batch in batches:
-        params = SamplingParams(max_tokens=96 if batch <= 4 else 32, ignore_eos=True)
+        params = SamplingParams(max_tokens=96 if batch <= 4 else 32, ignore_eos=True, temperature=args.temperature)
         calls = {w: calls_of(p, batch) for w, p in prompts.items()}
         c, c_tokens = in_turn(fast, calls, params, SPECS, args.repeats)
         e, e_tokens = in_turn(eager, calls, params, SPECS, args.repeats) if eager else (None, None)
@@ -227,8 +244,8 @@ def main() -> None:
     for k, v in goals.items():
         print(f"goal: {k}: {v:.2f}x" if isinstance(v, float) else f"goal: {k}: {v}")
     if args.plot:
-        plot(rows, args.plot)
-    print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        plot(rows, args.plot, args.temperature)
+    print(json.dumps({"dtype": args.dtype, "temperature": args.temperature, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
                       "prompts": {w: len(p) for w, p in prompts.items()}, "repeats": args.repeats,
                       "warmup": warmup, "graphs_after_warmup": compilations() - graphs, "goals": goals,
                       "rows": rows}))
