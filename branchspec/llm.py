@@ -260,9 +260,9 @@ class LLM:
         sampling: the requests to warm for, "greedy" and/or "sampled": a batch with a request
         sampled at its temperature alone (no top-p, top-k or min-p), the others greedy or
         alike, draws its tokens inside the plain step's or the verify pass's graph, a graph
-        of its own per D and batch class; other requests run the greedy graphs. Returns {"seconds", "graphs"
-        compiled, "loaded": compiled steps loaded from the cache folder instead}; on an
-        eager LLM it only warms caches."""
+        of its own per D and batch class; other requests run the greedy graphs. Returns
+        {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
+        instead}; on an eager LLM it only warms caches."""
         from branchspec.execution.compiled import compilations, steps_loaded
 
         sizes = _batch_sizes(batch_sizes, self.engine_config.max_batch_size)

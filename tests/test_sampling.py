@@ -67,7 +67,8 @@ def test_the_verify_calls_draws_are_target_tokens_draws():
     """A verify pass draws the tokens of rows sampled at their temperature alone inside its
     own call (`node_draws`, `draw_tokens`), from uniforms indexed by each node's depth: the
     same tokens `target_tokens` draws for those rows after the call, whatever the tree's
-    shape (and a plain step's, `step_tokens`, at its one node); rows with a cut (top-p, top-k, min-p) or rules are left to `target_tokens`, and
+    shape (and a plain step's, `step_tokens`, at its one node); rows with a cut (top-p,
+    top-k, min-p) or rules are left to `target_tokens`, and
     greedy rows keep the argmax. Negative control: a node read at its parent's depth draws
     other tokens."""
     g = torch.Generator().manual_seed(1)

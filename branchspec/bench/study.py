@@ -317,9 +317,9 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     if cfg.compile:
         # Compile every graph the grid needs before anything is timed.
         sizes = tuple(sorted({min(b, 2) for b in cfg.batch_sizes}))   # batch 1, and any larger, have graphs apart
+        mode = ("sampled",) if cfg.temperature > 0 else ("greedy",)     # only the graphs the study's requests run
         for spec in cfg.group():
-            mode = "sampled" if cfg.temperature > 0 else "greedy"
-            compile_seconds += llm.warmup(spec, batch_sizes=sizes, sampling=(mode,))["seconds"]
+            compile_seconds += llm.warmup(spec, batch_sizes=sizes, sampling=mode)["seconds"]
     elif "auto" in cfg.policies:
         llm.engine.policy(cfg.auto_policy(), progress=True)   # the round-cost calibration, untimed
 
