@@ -144,6 +144,8 @@ def test_quick_preset_and_explicit_flags(tiny_ckpt):
     both = cli.config_from_args(parser.parse_args(["--workloads", "gsm8k", "--policies", "fixed,auto",
                                                    "--policy-repeats", "1", *model]))
     assert both.rechecks == 1
+    assert quick.seed == 0
+    assert cli.config_from_args(parser.parse_args(["--workloads", "gsm8k", "--seed", "none", *model])).seed is None
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -207,6 +209,7 @@ def test_readme_quick_command_runs_without_mbpp(tmp_path):
     (["--tree-shapes", "3by2"], "bad tree shape '3by2'"),
     (["--tree-shapes", "3x1"], "topk must be >= 2"),
     (["--budgets", "5,six"], "comma-separated integers"),
+    (["--seed", "x"], "expected an integer seed or none"),
 ])
 def test_malformed_flags_are_parser_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -329,7 +332,7 @@ def test_calibrated_trees_join_the_study(tiny_ckpt, tmp_path):
         for c in side:
             cell = ran[c.extra["role"]]
             assert (c.D, c.topk, c.shape, c.extra["of"], c.extra["D"]) == (cell.D, cell.topk, cell.shape, cell.kind, 5)
-            assert c.matches_baseline is None and c.tokens == r.batch_size * 8
+            assert c.matches_baseline is True and c.tokens == r.batch_size * 8
             assert r.side_shapes[c.extra["role"]] == cell.shape
         runs = {role: sum(c.throughput_tok_s for c in side if c.extra["role"] == role) / 2 for role in ran}
         assert r.throughput_ratio() == pytest.approx(max(runs["best_calibrated"], runs["calibrated_2"])
@@ -349,6 +352,40 @@ def _cell(kind: str, tok_s: float, D: int | None = 6, shape: str = "3x2", **extr
                       ms_per_round={}, num_rounds=1, request_rounds=1, tokens=8, decode_seconds=1.0,
                       prefill_seconds=0.0, wall_seconds=1.0, max_tokens=8, temperature=0.0,
                       mean_prompt_tokens=5.0, extra=dict(extra))
+
+
+def test_sampled_studies_draw_the_same_tokens_in_every_configuration(tiny_ckpt, tmp_path):
+    """Sampled, request i of a batch draws with seed `seed` + i, so plain decoding, chains,
+    trees of both selections and their side-by-side reruns all emit the same tokens, and the
+    study checks every one of them against plain decoding's. The seeds matter (another seed
+    samples other text), and unseeded studies leave the check out."""
+    from branchspec import LLM
+    from branchspec.bench.study import request_params
+
+    g = torch.Generator().manual_seed(3)
+    prompts = {"alpha": [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 6)]}
+    common = dict(model=tiny_ckpt, workloads=("alpha",), budgets=(5,), batch_sizes=(2,),
+                  tree_shapes=(TreeShape(3, 2),), max_tokens=8, num_prompts=2, dtype="float64", threads=1,
+                  prompts_override=prompts, progress=False, plots=False, temperature=1.0)
+    cfg = StudyConfig(**common, out_dir=tmp_path / "seeded", selections=("eagle2", "calibrated"), policy_repeats=1)
+    assert [p.seed for p in request_params(cfg, 3)] == [0, 1, 2]
+    result = run_study(cfg)
+    checked = [c for c in result.cells if c.kind != "baseline"]
+    assert {c.kind for c in checked} == {"chain", "tree", "calibrated", "recheck"}
+    assert all(c.matches_baseline is True for c in checked)
+    assert result.summary["output_mismatches"] == 0 and result.summary["config"]["seed"] == 0
+    assert "every configuration of a cell emits the same tokens" in (result.out_dir / "report.md").read_text()
+
+    llm = LLM(tiny_ckpt, dtype="float64", max_batch_size=2, seed=0)
+    texts = {seed: [o.token_ids for o in llm.generate(prompts["alpha"], request_params(
+        StudyConfig(**common, seed=seed, out_dir=tmp_path / "unused"), 2))] for seed in (0, 1)}
+    assert texts[0] != texts[1]
+
+    unseeded = run_study(StudyConfig(**common, out_dir=tmp_path / "unseeded", seed=None))
+    assert all(c.matches_baseline is None for c in unseeded.cells)
+    assert "unseeded" in (unseeded.out_dir / "report.md").read_text()
+    with pytest.raises(ValueError, match="seed must be None or an integer"):
+        StudyConfig(**common, seed=-1, out_dir=tmp_path / "never")
 
 
 def test_the_policy_is_judged_against_calibrated_trees_too():

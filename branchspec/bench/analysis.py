@@ -284,7 +284,7 @@ def summary(cells: list[CellResult], comparisons: list[Comparison], config: dict
             "workload": best.workload, "batch_size": best.batch_size, "D": best.D,
             "shape": best.best_tree.shape, "gain": _round(best.throughput_ratio - 1)},
         "max_speedup_vs_baseline": _round(max((c.speedup or 0.0 for c in spec_cells), default=None)),
-        "greedy_output_mismatches": mismatches,
+        "output_mismatches": mismatches,
         **({"policy": policy_summary(policy)} if policy else {}),
         **({"calibrated": selection_summary(selection)} if (selection := selection_table(cells)) else {}),
     }

@@ -59,6 +59,15 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _seed(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed or none, got {text!r}") from None
+
+
 def _name_list(text: str) -> tuple[str, ...]:
     values = tuple(t.strip() for t in text.split(",") if t.strip())
     if not values:
@@ -96,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="skip eval prompts longer than this many tokens (default: 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=_seed, default=0, metavar="N|none",
+                   help="sampled request i of a batch draws with seed N + i, so every configuration emits the "
+                        "same tokens and is checked against plain decoding (default 0); none: unseeded, each "
+                        "run samples other text")
     p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")
     p.add_argument("--mbpp-path", default=None,
                    help="local mbpp.jsonl (default: $BRANCHSPEC_MBPP, else google-research-datasets/mbpp "
@@ -142,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         num_prompts=pick(args.num_prompts, preset.num_prompts),
         max_prompt_tokens=args.max_prompt_tokens,
         temperature=args.temperature,
+        seed=args.seed,
         out_dir=args.out,
         mbpp_path=args.mbpp_path,
         # Workloads the user named must all run; the preset's may drop MBPP when it has no source.

@@ -34,8 +34,9 @@ class CellResult:
     speedup: throughput / the baseline's throughput in the same workload and batch size.
     ms_per_round: per phase (ROUND_PHASES), plus "other" (scheduling, glue) and "total".
     num_rounds: batch-level steps; request_rounds: rounds summed over requests.
-    matches_baseline: greedy only, whether every output equals the plain-decoding output
-    (speculation is lossless, so False points at a bug or a numerical tie).
+    matches_baseline: greedy, or sampled with seeds, whether every output equals the
+    plain-decoding output (speculation is lossless and a seeded draw depends only on its
+    seed and position, so False points at a bug or a numerical tie); None where unchecked.
     """
 
     workload: str

@@ -178,6 +178,17 @@ def cell_rows(cells: list[CellResult]) -> list[list[str]]:
 
 # -- outputs -------------------------------------------------------------------------------
 
+def _draws(cfg: dict) -> str:
+    """How sampled requests drew: seeded, the same tokens in every configuration of a cell,
+    or from the engine's stream (other text each run; also reports from before seeds)."""
+    if not cfg.get("temperature"):
+        return ""
+    if cfg.get("seed") is None:
+        return " (unseeded: each run samples other text)"
+    return (f" (request i seeded {cfg['seed']} + i: every configuration of a cell emits the same tokens, "
+            "checked against plain decoding's)")
+
+
 def render_report(cells: list[CellResult], comparisons: list[Comparison], summary: dict,
                   plot_files: dict[str, Path] | None = None) -> str:
     cfg = summary.get("config", {})
@@ -189,8 +200,8 @@ def render_report(cells: list[CellResult], comparisons: list[Comparison], summar
         f"Model `{cfg.get('model')}` ({cfg.get('dtype')}, {cfg.get('threads')} threads); workloads "
         f"{', '.join(cfg.get('workloads', []))} ({cfg.get('prompts')}, {cfg.get('num_prompts')} prompts of at most "
         f"{cfg.get('max_prompt_tokens')} tokens); batch sizes {cfg.get('batch_sizes')}; "
-        f"{cfg.get('max_tokens')} tokens per request, temperature {cfg.get('temperature')}; "
-        f"{summary.get('num_cells')} cells in {summary.get('wall_seconds')} s.",
+        f"{cfg.get('max_tokens')} tokens per request, temperature {cfg.get('temperature')}"
+        f"{_draws(cfg)}; {summary.get('num_cells')} cells in {summary.get('wall_seconds')} s.",
         "",
         *(line for note in cfg.get("notes", []) for line in (note, "")),   # e.g. MBPP skipped
         f"Tree shapes (num_steps x topk): {shapes}. The best tree at each D is chosen per "

@@ -21,6 +21,7 @@ from branchspec.bench.analysis import SELECTION_FINALIST_ROLES
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, calibrated_specs_at_budget, shape_label, specs_at_budget
 from branchspec.bench.metrics import FIXED_KINDS, CellResult, measure_cell
 from branchspec.config import SamplingParams, SpecConfig, check_device, fast_path_candidates, spec_label
+from branchspec.config.sampling_params import MAX_SEED
 from branchspec.speculative.draft_vocab import token_map_arg
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
 from branchspec.llm import DEFAULT_CHECKPOINT, LLM
@@ -89,6 +90,12 @@ class StudyConfig:
     # draft probability) and/or "calibrated" (by measured acceptance, over the same shapes
     # and the deep (D-1)x2 and (D-1)x3; cells of kind "calibrated").
     selections: tuple[str, ...] = ("eagle2",)
+    # Sampled requests: request i of a batch draws with seed `seed + i` (mod 2**64). A seeded draw
+    # depends on nothing but its seed and position, so every configuration of a cell (plain
+    # decoding included) emits the same tokens: configurations are compared on the same
+    # text, and sampled outputs are checked against plain decoding's as greedy ones are.
+    # None: draws from the engine's stream, so every run samples other text.
+    seed: int | None = 0
     notes: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +155,9 @@ class StudyConfig:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         check_device("StudyConfig", self.device)
@@ -230,6 +240,7 @@ class StudyConfig:
             "selections": list(self.selections),
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
+            "seed": self.seed,
             "dtype": self.dtype, "compile": self.compile, "device": self.device,
             "token_map": self.token_map or "checkpoint's",
             "threads": self.threads or torch.get_num_threads(),
@@ -288,6 +299,20 @@ def batch_prompts(pool: list[list[int]], batch_size: int) -> list[list[int]]:
     return [pool[i % len(pool)] for i in range(batch_size)]
 
 
+def request_params(cfg: StudyConfig, batch_size: int, max_tokens: int | None = None) -> list[SamplingParams]:
+    """Each request's sampling parameters for a batch of ``batch_size``: the study's
+    temperature and length, and when sampled with a seed, request i's own `cfg.seed + i`."""
+    seeded = cfg.temperature > 0 and cfg.seed is not None
+    return [SamplingParams(temperature=cfg.temperature, max_tokens=max_tokens or cfg.max_tokens, ignore_eos=True,
+                           seed=(cfg.seed + i) % (MAX_SEED + 1) if seeded else None) for i in range(batch_size)]
+
+
+def checks_outputs(cfg: StudyConfig) -> bool:
+    """Whether every configuration must emit plain decoding's tokens: greedy, or sampled
+    with seeds (`StudyConfig.seed`)."""
+    return cfg.temperature == 0.0 or cfg.seed is not None
+
+
 def run_study(cfg: StudyConfig) -> StudyResult:
     """Run every cell, write results.jsonl, report.md and the plots into ``cfg.out_dir``."""
     t_start = time.perf_counter()
@@ -307,7 +332,6 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     if longest + cfg.max_tokens > max_len:
         raise ValueError(f"a prompt of {longest} tokens + max_tokens {cfg.max_tokens} exceeds the model's "
                          f"max_position {llm.config.max_position}; lower max_tokens or max_prompt_tokens")
-    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, ignore_eos=True)
     # One engine for the whole study, its pools sized for the largest batch of the longest
     # request plus one round of slack (not the model's full max_position); seeded, so
     # sampled studies repeat run to run.
@@ -327,7 +351,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         # One short untimed run of each path, so one-time costs (allocator growth, lazy
         # initialisation) do not land in the first measured cell.
         first = next(iter(prompts.values()))[:1]
-        warm = SamplingParams(temperature=cfg.temperature, max_tokens=min(4, cfg.max_tokens), ignore_eos=True)
+        warm = request_params(cfg, 1, max_tokens=min(4, cfg.max_tokens))
         llm.generate(first, warm)
         llm.generate(first, warm, spec=cfg.specs_at(cfg.budgets[0])[-1])
 
@@ -338,6 +362,7 @@ def run_study(cfg: StudyConfig) -> StudyResult:
         for workload in cfg.workloads:
             for b in cfg.batch_sizes:
                 batch = batch_prompts(prompts[workload], b)
+                params = request_params(cfg, b)
                 group = cfg.group()
                 baseline: CellResult | None = None
                 baseline_ids: list[list[int]] = []
@@ -356,15 +381,16 @@ def run_study(cfg: StudyConfig) -> StudyResult:
                         assert baseline is not None
                         base_tp = baseline.throughput_tok_s
                         cell.speedup = cell.throughput_tok_s / base_tp if base_tp > 0 else None
-                        if cfg.temperature == 0.0:
+                        if checks_outputs(cfg):
                             cell.matches_baseline = [o.token_ids for o in outs] == baseline_ids
                     cells.append(cell)
                     f.write(json.dumps(cell.to_dict()) + "\n")
                     f.flush()  # a long sweep that is interrupted keeps what it measured
                     if bar is not None:
                         bar.update(1)
-                rechecked = recheck_selection(llm, cfg, workload, batch, params, cells, bar)
-                rechecked += recheck_policy(llm, cfg, workload, batch, params, cells, bar)
+                reference = baseline_ids if checks_outputs(cfg) else None
+                rechecked = recheck_selection(llm, cfg, workload, batch, params, cells, bar, reference)
+                rechecked += recheck_policy(llm, cfg, workload, batch, params, cells, bar, reference)
                 for cell in rechecked:
                     cells.append(cell)
                     f.write(json.dumps(cell.to_dict()) + "\n")
@@ -385,10 +411,12 @@ def spec_of(cell: CellResult) -> SpecConfig:
                       selection="calibrated" if cell.kind == "calibrated" else "eagle2")
 
 
-def run_side_by_side(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
-                     roles: dict[str, SpecConfig | None], label: str, bar=None, **extra) -> list[CellResult]:
+def run_side_by_side(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: list[SamplingParams],
+                     roles: dict[str, SpecConfig | None], label: str, bar=None,
+                     reference: list[list[int]] | None = None, **extra) -> list[CellResult]:
     """Run `roles` (role -> configuration) in turn, `cfg.policy_repeats` times: cells of
-    kind "recheck" with their role, repeat, the kind they rechecked and `extra` in `extra`.
+    kind "recheck" with their role, repeat, the kind they rechecked and `extra` in `extra`,
+    each checked against `reference` (plain decoding's tokens) where given.
     The best of many configurations by one run each is partly the luckiest; measured side
     by side, in turn, the comparison is fair."""
     out = []
@@ -401,6 +429,8 @@ def run_side_by_side(llm, cfg: StudyConfig, workload: str, batch: list[list[int]
             cell = measure_cell(workload, spec, outs, llm.last_stats, wall_seconds=time.perf_counter() - t0,
                                 max_tokens=cfg.max_tokens, temperature=cfg.temperature)
             cell.extra = {**cell.extra, **extra, "role": role, "repeat": repeat, "of": cell.kind}
+            if reference is not None:
+                cell.matches_baseline = [o.token_ids for o in outs] == reference
             cell.kind = "recheck"
             out.append(cell)
             if bar is not None:
@@ -408,8 +438,9 @@ def run_side_by_side(llm, cfg: StudyConfig, workload: str, batch: list[list[int]
     return out
 
 
-def recheck_selection(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
-                      cells: list[CellResult], bar=None) -> list[CellResult]:
+def recheck_selection(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: list[SamplingParams],
+                      cells: list[CellResult], bar=None, reference: list[list[int]] | None = None
+                      ) -> list[CellResult]:
     """At each D of this (workload, batch size): the `SELECTION_FINALISTS` fastest calibrated
     trees and the as many fastest of the chain and the EAGLE-2 trees (by their sweep runs),
     run again in turn `cfg.selection_rechecks` times (roles `analysis.SELECTION_FINALIST_ROLES`,
@@ -430,12 +461,13 @@ def recheck_selection(llm, cfg: StudyConfig, workload: str, batch: list[list[int
             for side in ("other", "calibrated"):
                 if i < len(finalists[side]):
                     roles[SELECTION_FINALIST_ROLES[side][i]] = spec_of(finalists[side][i])
-        out += run_side_by_side(llm, cfg, workload, batch, params, roles, f"D={D} side by side", bar, D=D)
+        out += run_side_by_side(llm, cfg, workload, batch, params, roles, f"D={D} side by side", bar, reference,
+                                D=D)
     return out
 
 
-def recheck_policy(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: SamplingParams,
-                   cells: list[CellResult], bar=None) -> list[CellResult]:
+def recheck_policy(llm, cfg: StudyConfig, workload: str, batch: list[list[int]], params: list[SamplingParams],
+                   cells: list[CellResult], bar=None, reference: list[list[int]] | None = None) -> list[CellResult]:
     """Plain decoding, the best fixed configuration of this (workload, batch size) (any
     chain, EAGLE-2 or calibrated tree, or plain decoding) and the policy, run again in turn
     `cfg.rechecks` times: roles "baseline", "best_fixed" and "auto"."""
@@ -452,7 +484,7 @@ def recheck_policy(llm, cfg: StudyConfig, workload: str, batch: list[list[int]],
     if bar is not None and len(roles) < 3:
         bar.total -= cfg.rechecks
         bar.refresh()
-    return run_side_by_side(llm, cfg, workload, batch, params, roles, "side by side", bar)
+    return run_side_by_side(llm, cfg, workload, batch, params, roles, "side by side", bar, reference)
 
 
 def write_outputs(out_dir: Path, cells: list[CellResult], config: dict, wall_seconds: float,
