@@ -247,6 +247,19 @@ def test_report_can_be_rebuilt_from_results(study, tmp_path):
     assert (tmp_path / "accept_length.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_report_says_when_speculation_changed_an_output(study):
+    """Greedy speculation matched plain decoding everywhere, and the report says nothing;
+    a summary counting mismatched cells puts them at the report's head."""
+    from branchspec.bench.report import render_report
+
+    assert study.summary["output_mismatches"] == 0
+    clean = render_report(study.cells, study.comparisons, study.summary)
+    assert "emitted other tokens" not in clean
+    flagged = render_report(study.cells, study.comparisons, {**study.summary, "output_mismatches": 2})
+    head = flagged.split("## Accept length")[0]
+    assert "**2 speculative cells emitted other tokens than plain decoding**" in head
+
+
 def test_policy_row_joins_the_study(tiny_ckpt, tmp_path, monkeypatch):
     """--policies fixed,auto: one auto cell per (workload, batch size), compared in the
     report with the best fixed configuration and with no speculation; greedy and lossless."""

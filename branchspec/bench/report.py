@@ -189,6 +189,18 @@ def _draws(cfg: dict) -> str:
             "checked against plain decoding's)")
 
 
+def _mismatches(summary: dict) -> str:
+    """A line for a report whose speculative outputs were not all plain decoding's."""
+    n = summary.get("output_mismatches") or 0
+    if not n:
+        return ""
+    return (f"**{n} speculative cells emitted other tokens than plain decoding** (column \"matches baseline\" "
+            "of every cell). Speculation is lossless, so each points at a bug or at rounding: a forward of another "
+            "shape rounds the logits otherwise, which decides a draw whose uniform lies within rounding of a "
+            "boundary between two tokens' cumulative probabilities, or an argmax between two near-equal logits; "
+            "plain decoding at another batch size can differ there too. `scripts/diverging_draws.py` tells which.")
+
+
 def render_report(cells: list[CellResult], comparisons: list[Comparison], summary: dict,
                   plot_files: dict[str, Path] | None = None) -> str:
     cfg = summary.get("config", {})
@@ -204,6 +216,7 @@ def render_report(cells: list[CellResult], comparisons: list[Comparison], summar
         f"{_draws(cfg)}; {summary.get('num_cells')} cells in {summary.get('wall_seconds')} s.",
         "",
         *(line for note in cfg.get("notes", []) for line in (note, "")),   # e.g. MBPP skipped
+        *(line for line in (_mismatches(summary), "") if _mismatches(summary)),
         f"Tree shapes (num_steps x topk): {shapes}. The best tree at each D is chosen per "
         "(workload, batch size) by decode throughput; the accept-length table picks the shape with "
         "the longest accept length averaged over batch sizes. Gain = tree / chain - 1; conversion = "
