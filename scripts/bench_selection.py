@@ -8,7 +8,11 @@ as a serving engine would have learnt from its earlier requests. Prints a table 
 mode, then one line of JSON.
 
     python scripts/bench_selection.py [--budgets 5,6,7,8] [--prompts 8] [--max-tokens 64]
-        [--temperatures 0,0.7] [--mbpp-path FILE]
+        [--temperatures 0,0.7] [--shapes SxK,...] [--mbpp-path FILE]
+
+--shapes runs both selections over the same shapes (each must be valid at every budget)
+instead of the study's grid for EAGLE-2 and the grid plus the deep ones for the calibrated
+selection, and adds a table of every shape's accept length under both.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--shapes", default=None, help="SxK,... for both selections (default: see above)")
     ap.add_argument("--mbpp-path", default=None)
     args = ap.parse_args()
     budgets = [int(d) for d in args.budgets.split(",")]
+    shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.shapes.split(",")] if args.shapes else None
     llm = LLM(max_batch_size=args.prompts, seed=0)
 
     def prompts(workload: str, split: str) -> list[list[int]]:
@@ -62,8 +68,12 @@ def main() -> None:
             params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
                       for i in range(len(measured))]
             for D in budgets:
-                eagle = [s.spec(D) for s in default_tree_shapes(D)]
-                calibrated = calibrated_shapes(D)
+                if shapes:
+                    eagle = [SpecConfig(steps, topk, D) for steps, topk in shapes]
+                    calibrated = [SpecConfig(steps, topk, D, selection="calibrated") for steps, topk in shapes]
+                else:
+                    eagle = [s.spec(D) for s in default_tree_shapes(D)]
+                    calibrated = calibrated_shapes(D)
                 for spec in calibrated:     # learn on other prompts first
                     llm.generate(warm, [SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                                                        ignore_eos=True, seed=100 + i) for i in range(len(warm))],
@@ -95,6 +105,16 @@ def main() -> None:
                       f"{k['accept_length']:.3f} ({k['shape']})   {100 * gc:+.1f}%  {100 * ge:+.1f}%")
         print(f"  mean: calibrated vs chain {100 * statistics.mean(gains_chain):+.1f}%, vs best EAGLE-2 "
               f"{100 * statistics.mean(gains_eagle):+.1f}%; cells below the chain: {sum(g < 0 for g in gains_chain)}")
+    if shapes:
+        accept = {(r["mode"], r["workload"], r["D"], r["kind"], r["shape"]): r["accept_length"] for r in rows}
+        labels = [f"{steps}x{topk}" for steps, topk in shapes]
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            print(f"\n{mode}: accept length by shape, EAGLE-2 / calibrated")
+            for workload in WORKLOADS:
+                for D in budgets:
+                    cells = "  ".join(f"{lab} {accept[(mode, workload, D, 'eagle2', lab)]:.2f}/"
+                                      f"{accept[(mode, workload, D, 'calibrated', lab)]:.2f}" for lab in labels)
+                    print(f"  {workload:8} D={D}: {cells}")
     print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "prompts": args.prompts,
                       "rows": rows}))
 
