@@ -1,0 +1,66 @@
+"""The adaptive policy run again and again on one study cell: what it chose each time, and
+the state of its cost model after each run.
+
+One engine, as in `branchspec bench --policies fixed,auto`: a few calibrated fixed runs
+first (the study's sweep teaches the measured acceptance the same way), then --repeats
+times in turn plain decoding and `SpecConfig.auto()`, printing both throughputs, the
+rounds the policy gave each configuration, the cost model's load (measured / predicted
+round time, recent rounds), plain decoding's measured overhead beyond its predicted
+forwards, the lowest and highest of the speculative candidates' and the policy's top
+three estimates (tok/s) at its last decision.
+
+    python scripts/policy_trace.py --workload sharegpt --batch-size 1 [--temperature 0]
+        [--repeats 8] [--max-tokens 64] [--num-prompts 16] [--mbpp-path FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from branchspec import LLM, SpecConfig
+from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="sharegpt")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--mbpp-path", default=None)
+    args = ap.parse_args()
+    B = args.batch_size
+    cfg = StudyConfig(workloads=(args.workload,), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                      temperature=args.temperature, batch_sizes=(B,), progress=False, mbpp_path=args.mbpp_path)
+    llm = LLM(max_batch_size=B, seed=0)
+    batch = batch_prompts(load_prompts(cfg, llm)[args.workload], B)
+    params = request_params(cfg, B)
+    auto = SpecConfig.auto(max_draft_tokens=8)
+    policy = llm.engine.policy(auto, progress=True)
+    for D in (5, 6, 7, 8):
+        for steps in (3, D - 1):
+            llm.generate(batch, params, spec=SpecConfig(steps, 2, D, selection="calibrated"))
+    costs = policy.costs
+    bucket = costs.bucket(B)
+    for repeat in range(args.repeats):
+        llm.generate(batch, params)
+        plain = llm.last_stats.decode_throughput
+        llm.generate(batch, params, spec=auto)
+        st = llm.last_stats
+        rounds = ", ".join(f"{k} {v}" for k, v in sorted(st.spec_choices.items(), key=lambda kv: -kv[1])[:3])
+        print(f"run {repeat}: plain {plain:.1f} tok/s, auto {st.decode_throughput:.1f} "
+              f"({st.decode_throughput / plain:.2f}x; {rounds})")
+        plain_over = costs.overhead(("none", bucket))
+        spec_over = sorted(1e3 * v for key in costs.overheads if key[1] == bucket and key[0] != "none"
+                           and (v := costs.overhead(key)) is not None)
+        top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(policy.last_estimate.items(), key=lambda kv: -kv[1])[:3])
+        print(f"    load {costs.load():.2f}; plain overhead "
+              f"{'-' if plain_over is None else f'{1e3 * plain_over:.1f}'} ms of a predicted "
+              f"{1e3 * costs.predict(None, B):.1f}; {len(spec_over)} speculative overheads "
+              + (f"{spec_over[0]:.1f}-{spec_over[-1]:.1f} ms" if spec_over else "-") + f"; estimates: {top}")
+
+
+if __name__ == "__main__":
+    main()
