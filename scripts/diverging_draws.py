@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from study_cell import add_cell_arguments, cell
+
 from branchspec import LLM, SpecConfig
-from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
 from branchspec.sampling import seeded_uniforms
 
 
@@ -78,22 +79,11 @@ def explain(draw: Draw, tokens: dict[str, int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="gsm8k")
-    ap.add_argument("--batch-size", type=int, required=True)
+    add_cell_arguments(ap, workload="gsm8k", temperature=0.7)
     ap.add_argument("--spec", type=parse_spec, required=True, help="chain:D, SxK:D or SxK:D:calibrated")
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--seed", type=int, default=0, help="the study's --seed (request i draws with seed + i)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--mbpp-path", default=None)
     args = ap.parse_args()
     B = args.batch_size
-    cfg = StudyConfig(workloads=(args.workload,), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                      temperature=args.temperature, seed=args.seed, batch_sizes=(B,), progress=False,
-                      mbpp_path=args.mbpp_path)
-    llm = LLM(max_batch_size=B, seed=0)
-    batch = batch_prompts(load_prompts(cfg, llm)[args.workload], B)
-    params = request_params(cfg, B)
+    llm, batch, params = cell(args)
     plain = [o.token_ids for o in llm.generate(batch, params)]
     spec = [o.token_ids for o in llm.generate(batch, params, spec=args.spec)]
     differing = [i for i in range(B) if plain[i] != spec[i]]

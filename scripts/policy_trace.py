@@ -10,33 +10,25 @@ forwards, the lowest and highest of the speculative candidates' and the policy's
 three estimates (tok/s) at its last decision.
 
     python scripts/policy_trace.py --workload sharegpt --batch-size 1 [--temperature 0]
-        [--repeats 8] [--max-tokens 64] [--num-prompts 16] [--mbpp-path FILE]
+        [--seed 0] [--repeats 8] [--max-tokens 64] [--num-prompts 16] [--mbpp-path FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from branchspec import LLM, SpecConfig
-from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
+from study_cell import add_cell_arguments, cell
+
+from branchspec import SpecConfig
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="sharegpt")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    add_cell_arguments(ap, workload="sharegpt", temperature=0.0)
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--mbpp-path", default=None)
     args = ap.parse_args()
     B = args.batch_size
-    cfg = StudyConfig(workloads=(args.workload,), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                      temperature=args.temperature, batch_sizes=(B,), progress=False, mbpp_path=args.mbpp_path)
-    llm = LLM(max_batch_size=B, seed=0)
-    batch = batch_prompts(load_prompts(cfg, llm)[args.workload], B)
-    params = request_params(cfg, B)
+    llm, batch, params = cell(args)
     auto = SpecConfig.auto(max_draft_tokens=8)
     policy = llm.engine.policy(auto, progress=True)
     for D in (5, 6, 7, 8):

@@ -21,9 +21,14 @@ def script():
         "diverging_draws", Path(__file__).parents[1] / "scripts" / "diverging_draws.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module          # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))     # its sibling study_cell.py
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.pop(0)
+        del sys.modules[spec.name]
+        sys.modules.pop("study_cell", None)
 
 
 @pytest.fixture(scope="module")
