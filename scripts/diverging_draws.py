@@ -28,7 +28,7 @@ import torch
 from study_cell import add_cell_arguments, cell
 
 from branchspec import LLM, SpecConfig
-from branchspec.sampling import seeded_uniforms
+from branchspec.sampling import inverse_cdf, seeded_uniforms
 
 
 def parse_spec(text: str) -> SpecConfig:
@@ -60,9 +60,9 @@ def float64_draw(ref: LLM, prefix: list[int], seed: int | None, temperature: flo
         top = logits.topk(2)
         return Draw(int(top.indices[0]), float(top.values[0] - top.values[1]), None, torch.softmax(logits, -1))
     probs = torch.softmax(logits / temperature, dim=-1)
-    edges = (probs.cumsum(-1) / probs.sum()).numpy()                      # token t's interval ends at edges[t]
     u = float(seeded_uniforms([seed], np.array([[len(prefix)]]))[0, 0])
-    token = int((edges <= u).sum())
+    token = int(inverse_cdf(probs, torch.tensor(u, dtype=probs.dtype)))   # the engine's own arithmetic
+    edges = (probs.cumsum(-1) / probs.sum()).numpy()                      # token t's interval ends at edges[t]
     below = edges[token - 1] if token > 0 else 0.0
     return Draw(token, float(min(u - below, edges[token] - u)), u, probs)
 

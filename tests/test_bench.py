@@ -156,6 +156,7 @@ def test_quick_preset_and_explicit_flags(tiny_ckpt):
     (["--tree-shapes", "1x2", "--budgets", "6"], "invalid at D=6"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--policies", "fixed,auto", "--policy-repeats", "-1"], "policy_repeats"),
+    (["--seed", "-1"], "seed must be None or an integer in [0, 2**64)"),
     (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt does not exist"),
 ])
 def test_invalid_values_fail_before_any_work(argv, message, tmp_path, capsys):

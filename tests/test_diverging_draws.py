@@ -52,9 +52,8 @@ def test_the_float64_draw_is_the_engines_draw(script, llm, temperature):
         agree += draw.token == out[2]
         if temperature > 0:
             # Negative control: the uniform of the next position draws other tokens.
-            u = float(script.seeded_uniforms([seed], np.array([[len(prefix) + 1]]))[0, 0])
-            edges = (draw.probs.cumsum(-1) / draw.probs.sum()).numpy()
-            agree_off_by_one += int((edges <= u).sum()) == out[2]
+            u = script.seeded_uniforms([seed], np.array([[len(prefix) + 1]]))[0, 0]
+            agree_off_by_one += int(script.inverse_cdf(draw.probs, torch.tensor(u))) == out[2]
     assert agree == 12
     if temperature > 0:
         assert agree_off_by_one < 12

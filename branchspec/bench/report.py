@@ -216,7 +216,7 @@ def render_report(cells: list[CellResult], comparisons: list[Comparison], summar
         f"{_draws(cfg)}; {summary.get('num_cells')} cells in {summary.get('wall_seconds')} s.",
         "",
         *(line for note in cfg.get("notes", []) for line in (note, "")),   # e.g. MBPP skipped
-        *(line for line in (_mismatches(summary), "") if _mismatches(summary)),
+        *([flag, ""] if (flag := _mismatches(summary)) else []),      # outputs that differ from plain decoding
         f"Tree shapes (num_steps x topk): {shapes}. The best tree at each D is chosen per "
         "(workload, batch size) by decode throughput; the accept-length table picks the shape with "
         "the longest accept length averaged over batch sizes. Gain = tree / chain - 1; conversion = "
