@@ -24,12 +24,12 @@ def source_digest() -> str:
     """What a compiled step is built from and a round-cost table measures: the model and
     config code, the speculative code whole-function steps run (a draft tree's growth,
     the verify pass, the draft extend), the paged state's reads and writes, the draws a
-    verify pass makes in its graph (`sampling`), and the compiled execution. A change to
-    any of them compiles and measures anew."""
+    verify pass makes in its graph (`sampling`), and the execution paths. A change to any
+    of them compiles and measures anew."""
     h = hashlib.sha256()
-    packages = [_PACKAGE / "model", _PACKAGE / "config", _PACKAGE / "speculative"]
+    packages = [_PACKAGE / "model", _PACKAGE / "config", _PACKAGE / "speculative", _PACKAGE / "execution"]
     files = [p for pkg in packages for p in sorted(pkg.glob("*.py"))]
-    files += [_PACKAGE / "cache" / "paged.py", _PACKAGE / "sampling.py", _PACKAGE / "execution" / "compiled.py"]
+    files += [_PACKAGE / "cache" / "paged.py", _PACKAGE / "sampling.py"]
     for path in files:
         h.update(path.read_bytes())
     return h.hexdigest()

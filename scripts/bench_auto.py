@@ -28,7 +28,7 @@ import torch
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.config import fast_path_candidates
 from branchspec.data.workloads import load_workload
-from branchspec.execution.compiled import compilations
+from branchspec.execution.compiled_step import compilations
 
 # What the policy chooses among (--candidates). small: plain decoding, two chains (D = 4
 # and 6) and two calibrated trees at D = 6, a shallow and a deep one, as measured in

@@ -39,7 +39,7 @@ from bench_decode_step import floor_times
 
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.data.workloads import MbppUnavailable, load_workload
-from branchspec.execution.compiled import compilations
+from branchspec.execution.compiled_step import compilations
 
 SPECS = (("plain", None), ("chain D=8", SpecConfig.chain(8)), ("tree 4x2 D=8", SpecConfig(4, 2, 8)),
          ("tree 3x2 D=6", SpecConfig(3, 2, 6)),
