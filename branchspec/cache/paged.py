@@ -22,13 +22,24 @@ the position it holds is committed.
 
 Writes have static shapes: every node of a forward is written, and a node not kept (a
 rejected branch, a padding node, a position already out of its ring) goes to the storage's
-last row, the *sink*, which no page holds and nothing reads. So a commit has no
-data-dependent sizes and runs inside a compiled step as well as eagerly (`write_nodes`).
+last row. That row lies in the *sink page*, one page past the pool's own, which no
+sequence holds and nothing reads as committed state. So a commit has no data-dependent
+sizes and runs inside a compiled step or a captured graph as well as eagerly
+(`write_nodes`). A block table's unused entries point at the sink page too, and so do all
+of a padding row's (a captured graph's batch padded up to its bucket): whatever such a row
+reads is never used, and whatever it writes lands where no sequence reads.
+
+How many committed entries a batch addresses (`Addressing`): as many as its longest
+sequence has ("exact": eager steps, whose shapes may follow the data), a whole page more
+at a time ("pages": compiled steps, one graph for every context), or every entry
+`max_model_len` tokens can have, with block tables as wide as such a sequence needs
+("bound": captured graphs, whose shapes may not follow the context at all).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -61,6 +72,10 @@ class BlockTables:
     page_size: int
 
 
+Addressing = Literal["exact", "pages", "bound"]   # see the module's docstring
+ADDRESSING = ("exact", "pages", "bound")
+
+
 @dataclass
 class AddressInputs:
     """What a batch's state addresses follow from (`locate`): its block tables, its
@@ -70,7 +85,8 @@ class AddressInputs:
 
     tables: BlockTables                 # every kind's block tables (also where a commit writes)
     lengths: torch.Tensor               # [B] committed L
-    entries: dict[int, torch.Tensor]    # ratio -> [E] entry numbers 0 .. E-1 (E: see `PagedState.address_inputs`)
+    # ratio -> [E] entry numbers 0 .. E-1, the same for every request (E: see `PagedState.address_inputs`)
+    entries: dict[int, torch.Tensor] = field(metadata={"batched": False})
 
 
 def locate(cfg: ModelConfig, x: AddressInputs) -> StateAddresses:
@@ -159,7 +175,7 @@ class PagedState:
     def __init__(self, cfg: ModelConfig, *, max_seqs: int, max_len: int, page_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  num_pages: dict[str, int] | None = None):
-        self.cfg, self.page_size, self.max_len = cfg, page_size, max_len
+        self.cfg, self.page_size, self.max_len, self.max_seqs = cfg, page_size, max_len, max_seqs
         self.dtype, self.device = dtype, torch.device(device)
         self.specs = {s.name: s for s in kind_specs(cfg, page_size)}
         num_pages = num_pages or {}
@@ -168,19 +184,24 @@ class PagedState:
             raise ValueError(f"num_pages names unknown state kinds {sorted(unknown)}; kinds are {sorted(self.specs)}")
         self.pools: dict[str, BlockPool] = {}
         self.storage: dict[str, torch.Tensor] = {}
+        self.sink_page: dict[str, int] = {}     # kind -> its sink page's number (its pool's page count)
         for name, spec in self.specs.items():
             n = num_pages.get(name, default_num_pages(spec, max_seqs, max_len, page_size))
             if n < 1:
                 raise ValueError(f"num_pages[{name!r}] must be >= 1, got {n}")
             self.pools[name] = BlockPool(n, name)
-            # n pages of page_size slots, then the sink (see the module's docstring)
-            self.storage[name] = torch.zeros(len(spec.layers), n * page_size + 1, spec.width,
+            # n pages of page_size slots, then the sink page (see the module's docstring)
+            self.storage[name] = torch.zeros(len(spec.layers), (n + 1) * page_size, spec.width,
                                              dtype=dtype, device=self.device)
+            self.sink_page[name] = n
+        # The most pages one sequence of max_len tokens holds, per kind: the width of a
+        # block table under "bound" addressing (at least two, see BlockTables).
+        self.max_pages = {n: max(2, k) for n, k in self.pages_needed(max_len).items()}
         self.tables: dict[int, dict[str, list[int]]] = {}
-        # Padded block-table tensors per (kind, batch), rebuilt only after an allocation
-        # changed some table: most steps allocate nothing, and building them from Python
-        # lists row by row was a large share of a batch-64 step.
-        self._table_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        # Padded block-table tensors per (kind, batch, bound), rebuilt only after an
+        # allocation changed some table: most steps allocate nothing, and building them
+        # from Python lists row by row was a large share of a batch-64 step.
+        self._table_cache: dict[tuple[str, tuple[int, ...], bool], torch.Tensor] = {}
         self._entry_numbers: dict[tuple[int, int], torch.Tensor] = {}   # (ratio, count) -> [count] arange
 
     # -- allocation -----------------------------------------------------------------------
@@ -230,38 +251,52 @@ class PagedState:
         return {n: p.num_free for n, p in self.pools.items()}
 
     # -- addressing -----------------------------------------------------------------------
-    def _table(self, kind: str, seq_ids: list[int]) -> torch.Tensor:
-        """Padded block tables [B, max_pages] for one kind (memoised until the next allocation)."""
-        key = (kind, tuple(seq_ids))
+    def _table(self, kind: str, seq_ids: list[int], bound: bool) -> torch.Tensor:
+        """Block tables [B, pages] for one kind, padded with its sink page (memoised until
+        the next allocation): as wide as the batch's longest (at least two pages), or with
+        `bound` as wide as a sequence of max_len tokens needs."""
+        key = (kind, tuple(seq_ids), bound)
         if (hit := self._table_cache.get(key)) is not None:
             return hit
-        self._table_cache[key] = table = self._build_table(kind, seq_ids)
-        return table
-
-    def _build_table(self, kind: str, seq_ids: list[int]) -> torch.Tensor:
         rows = [self.tables[s][kind] for s in seq_ids]
-        width = max(2, max(len(r) for r in rows))     # see BlockTables
-        t = torch.zeros(len(rows), width, dtype=torch.long)
+        width = self.max_pages[kind] if bound else max(2, max(len(r) for r in rows))     # see BlockTables
+        t = torch.full((len(rows), width), self.sink_page[kind], dtype=torch.long)
         for i, r in enumerate(rows):
             t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        return t.to(self.device)
+        self._table_cache[key] = table = t.to(self.device)
+        return table
 
-    def block_tables(self, seq_ids: list[int], kinds: tuple[str, ...] | None = None) -> BlockTables:
-        """The batch's block tables of `kinds` (default: every kind)."""
-        return BlockTables({n: self._table(n, seq_ids) for n in (kinds or self.specs)}, self.page_size)
+    def block_tables(self, seq_ids: list[int], kinds: tuple[str, ...] | None = None,
+                     addressing: Addressing = "exact") -> BlockTables:
+        """The batch's block tables of `kinds` (default: every kind), as wide as
+        `addressing` asks (see the module's docstring)."""
+        bound = addressing == "bound"
+        return BlockTables({n: self._table(n, seq_ids, bound) for n in (kinds or self.specs)}, self.page_size)
+
+    def padding_tables(self, tables: BlockTables) -> BlockTables:
+        """Tables of the same shapes whose every entry is its kind's sink page: what a
+        padding row of a captured graph addresses."""
+        return BlockTables({n: torch.full_like(t, self.sink_page[n]) for n, t in tables.tables.items()},
+                           tables.page_size)
 
     # -- gather ---------------------------------------------------------------------------
-    def address_inputs(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> AddressInputs:
+    def address_inputs(self, seq_ids: list[int], lengths: torch.Tensor, addressing: Addressing = "exact"
+                       ) -> AddressInputs:
         """What `locate` computes a batch's addresses from. lengths: [B] committed L.
 
-        `whole_pages`: address committed entries in whole pages (the padding masked by
-        entries_valid), for compiled steps whose shapes must not change with every entry."""
+        `addressing` (see the module's docstring): "pages" addresses committed entries in
+        whole pages (the padding masked by entries_valid), for compiled steps whose shapes
+        must not change with every entry; "bound" every entry a sequence of max_len tokens
+        can have, with block tables to match, for captured graphs (and no value read back
+        from the device)."""
+        if addressing not in ADDRESSING:
+            raise ValueError(f"addressing must be one of {ADDRESSING}, got {addressing!r}")
         lengths = lengths.to(self.device)
-        most = int(lengths.max()) if len(seq_ids) else 0
+        most = self.max_len if addressing == "bound" else int(lengths.max()) if len(seq_ids) else 0
         entries = {}
         for c in self.cfg.compressed_kinds:
             E = most // c.ratio
-            if whole_pages:
+            if addressing != "exact":
                 # Whole pages, at least one, and under an indexer at least its top-k: the
                 # shape changes every page_size entries, and top-k never has fewer entries
                 # than k to choose from (which the compiler would guard on).
@@ -272,12 +307,14 @@ class PagedState:
             if (numbers := self._entry_numbers.get((c.ratio, E))) is None:
                 numbers = self._entry_numbers[(c.ratio, E)] = torch.arange(E, device=self.device)
             entries[c.ratio] = numbers
-        return AddressInputs(tables=self.block_tables(seq_ids), lengths=lengths, entries=entries)
+        return AddressInputs(tables=self.block_tables(seq_ids, addressing=addressing), lengths=lengths,
+                             entries=entries)
 
-    def addresses(self, seq_ids: list[int], lengths: torch.Tensor, whole_pages: bool = False) -> StateAddresses:
+    def addresses(self, seq_ids: list[int], lengths: torch.Tensor, addressing: Addressing = "exact"
+                  ) -> StateAddresses:
         """Where a batch's committed state lives (small index tensors; `locate`). lengths:
-        [B] committed L; `whole_pages` as in `address_inputs`."""
-        return locate(self.cfg, self.address_inputs(seq_ids, lengths, whole_pages))
+        [B] committed L; `addressing` as in `address_inputs`."""
+        return locate(self.cfg, self.address_inputs(seq_ids, lengths, addressing))
 
     def gather(self, seq_ids: list[int], lengths: torch.Tensor) -> list[LayerState]:
         """Dense committed state of every target layer for a batch. lengths: [B] committed L."""

@@ -1,6 +1,8 @@
-"""How the model's forwards run: eagerly (the reference) or compiled (the fast path),
-chosen once when an engine is built. Everything above this package calls the forwards
-through the `Executor` interface and never asks which one it has."""
+"""How the model's forwards run, chosen once when an engine is built: eagerly (the
+reference, `eager.py`), compiled (the CPU fast path, `compiled.py`, its steps from
+`compiled_step.py`), or replayed as CUDA graphs (the GPU fast path, `graphed.py` over
+`graphs.py`). Everything above this package calls the forwards through the `Executor`
+interface and never asks which one it has."""
 
 from __future__ import annotations
 
@@ -18,16 +20,20 @@ from branchspec.sampling import NodeDraws
 class Executor(Protocol):
     """The forwards an engine runs, over one paged state (see `EagerExecutor` for each)."""
 
-    name: str              # "eager" or "compiled": what a measured cost belongs to
-    expert_dispatch: str   # the MoE dispatch the model must be built with
-    # Whether its graphs need shapes that do not follow the data: a tree plan's
-    # completing-node slots sized by their bound (`tree_meta(static=True)`), committed
-    # entries addressed in whole pages (`PagedState.addresses(whole_pages=True)`).
+    name: str              # "eager", "compiled", "eager+graphs", "compiled+graphs": what a measured cost belongs to
+    # How many committed entries a step addresses (`cache.paged.Addressing`): "exact" where
+    # shapes may follow the data, "pages" for compiled steps, "bound" for captured graphs
+    # (and anything on a GPU, where no size may be read back to the host).
+    addressing: str
+    # Whether plans size their slots by their bounds (`tree_meta(static=True)`): every
+    # addressing but "exact".
     static_shapes: bool
     model: Transformer
     cache: PagedState
 
     def over(self, cache: PagedState) -> "Executor": ...
+
+    def batch_sizes(self, max_batch_size: int) -> tuple[int, ...]: ...
 
     def prefill(self, input_ids: torch.Tensor, meta: ForwardMeta, seq_ids: list[int],
                 lengths: torch.Tensor, logits_at: torch.Tensor | None = None) -> ForwardOutput: ...
@@ -52,20 +58,23 @@ class Executor(Protocol):
     def extend_width(self, needed: int, bound: int) -> int: ...
 
 
-def executor_class(compile: bool) -> type:
-    """The executor an engine with this `compile` setting runs (imports the compiler only
-    when asked for)."""
+def expert_dispatch(compile: bool, device: str | torch.device = "cpu") -> str:
+    """The MoE dispatch a model for this execution must be built with: "grouped" for eager
+    steps on a CPU (the least work; its shapes follow the routing, read back to the host),
+    "dense" for compiled steps and anything on a GPU (no shape follows the routing, and
+    nothing waits for the device)."""
+    return "dense" if compile or torch.device(device).type == "cuda" else "grouped"
+
+
+def make_executor(model: Transformer, cache: PagedState, compile: bool, cuda_graphs: bool = False) -> Executor:
+    """The execution an engine runs, chosen once: eager (the reference), compiled, or
+    captured as CUDA graphs (of the compiled steps or of the eager ones). Imports the
+    compiler only when asked for."""
+    if cuda_graphs:
+        from branchspec.execution.graphed import GraphExecutor
+        return GraphExecutor(model, cache, compiled=compile)
     if compile:
         from branchspec.execution.compiled import CompiledExecutor
-        return CompiledExecutor
+        return CompiledExecutor(model, cache)
     from branchspec.execution.eager import EagerExecutor
-    return EagerExecutor
-
-
-def expert_dispatch(compile: bool) -> str:
-    """The MoE dispatch a model for this execution must be built with."""
-    return executor_class(compile).expert_dispatch
-
-
-def make_executor(model: Transformer, cache: PagedState, compile: bool) -> Executor:
-    return executor_class(compile)(model, cache)
+    return EagerExecutor(model, cache)

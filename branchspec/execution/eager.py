@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from branchspec.cache.paged import PagedState
+from branchspec.cache.paged import PagedState, read_states
 from branchspec.model.attention import LayerScratch, LayerState
 from branchspec.model.metadata import ForwardMeta, chain_meta
 from branchspec.model.model import ForwardOutput, Transformer
@@ -23,15 +23,27 @@ class EagerExecutor:
     """
 
     name = "eager"
-    # MoE models: the dispatch the model must be built with (`Transformer.expert_dispatch`).
-    expert_dispatch = "grouped"
-    # Shapes may follow the data: a plan's completing-node slots by the trees, committed
-    # entries as many as there are.
-    static_shapes = False
+    addressing: str | None = None    # how many committed entries a step addresses (`cache.paged.Addressing`)
 
     def __init__(self, model: Transformer, cache: PagedState):
         self.model, self.cache = model, cache
         self.kinds = model.cfg.compressed_kinds
+        # On a CPU shapes may follow the data: a plan's completing-node slots by the trees,
+        # committed entries as many as there are. On a GPU reading such a size back would
+        # stall the host behind the device at every step, so every size is its bound there.
+        if self.addressing is None:
+            self.addressing = "bound" if cache.device.type == "cuda" else "exact"
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether plans size their slots by their bounds rather than by the data
+        (`tree_meta(static=True)`), as addressing other than "exact" needs."""
+        return self.addressing != "exact"
+
+    def batch_sizes(self, max_batch_size: int) -> tuple[int, ...]:
+        """The batch sizes a warm-up runs to meet every shape this execution has: batch 1
+        and one larger batch (a compiled step's two shape classes)."""
+        return tuple(sorted({1, min(2, max_batch_size)}))
 
     def over(self, cache: PagedState) -> "EagerExecutor":
         """The same execution over another paged state (the cost model's private one)."""
@@ -47,8 +59,9 @@ class EagerExecutor:
     def decode(self, roots: torch.Tensor, seq_ids: list[int], lengths: torch.Tensor) -> ForwardOutput:
         """One plain decode step: roots [B, 1] at positions lengths [B], fed through the
         target and committed (its pages reserved first)."""
-        meta = chain_meta(lengths, 1, self.kinds)
-        out = self.prefill(roots, meta, seq_ids, lengths)
+        meta = chain_meta(lengths, 1, self.kinds, max_new=1, static=self.static_shapes)
+        addresses = self.cache.addresses(seq_ids, lengths, self.addressing)
+        out = self.model(roots, meta, read_states(self.model.cfg, self.cache.storage, addresses))
         self.cache.commit(seq_ids, meta, out.scratch, meta.valid)
         return out
 

@@ -292,8 +292,8 @@ class MTPDrafter:
             log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps],
                                                  spec.num_steps, spec.topk)
         scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
-        return self._grow(roots, prev_hidden, lengths, self.cache.block_tables(seq_ids, ("mtp",)), spec, root, log_q,
-                          scale)
+        tables = self.cache.block_tables(seq_ids, ("mtp",), self.executor.addressing)
+        return self._grow(roots, prev_hidden, lengths, tables, spec, root, log_q, scale)
 
     def learn(self, seq_ids: list[int], temperature: list[float], children: torch.Tensor,
               children_logp: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, bonus: torch.Tensor,
@@ -348,7 +348,7 @@ class MTPDrafter:
         last = torch.stack([self.states[sid].last_hidden for sid in seq_ids])            # [B, d]
         inputs = ExtendInputs(path_tokens=path_tokens, hidden=hidden, path=path, path_len=path_len, bonus=bonus,
                               last_hidden=last, num_committed=lengths,
-                              tables=self.cache.block_tables(seq_ids, ("mtp",)))
+                              tables=self.cache.block_tables(seq_ids, ("mtp",), self.executor.addressing))
         shared = {"head_rows": self.head_rows} if plan.reduced_vocab else {}
         out = self.executor.graph(extend_forward, plan, inputs, shared, pools=True)   # commits the path
         new_lengths = (lengths + path_len).tolist()

@@ -92,9 +92,8 @@ def verify_trees(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor
     in_call [B] bool: the rows to accept and commit in the call; max_path_len [B]; draws:
     the rows of in_call that draw their tokens (`sampling.node_draws`), the others of
     in_call take the argmax."""
-    static, cache = executor.static_shapes, executor.cache
-    plan = VerifyPlan(tokens.shape[1], static=static, draws=draws is not None)
+    plan = VerifyPlan(tokens.shape[1], static=executor.static_shapes, draws=draws is not None)
     inputs = VerifyInputs(tokens=tokens, parents=parents, num_committed=lengths,
-                          state=cache.address_inputs(seq_ids, lengths, whole_pages=static), in_call=in_call,
+                          state=executor.cache.address_inputs(seq_ids, lengths, executor.addressing), in_call=in_call,
                           max_path_len=max_path_len, draws=draws)
     return executor.graph(verify_forward, plan, inputs, {}, pools=True)
