@@ -49,6 +49,9 @@ class EngineConfig:
     prefill_chunk_size: int = 256
     compile: bool = False             # the compiled fast path (execution/compiled.py); eager is the reference
     device: str = "cpu"               # "cpu", "cuda" or "cuda:N": where the model, its state and its steps run
+    # Replay every step as a CUDA graph per batch bucket (execution/graphed.py); None: on a
+    # GPU yes, on a CPU no. False on a GPU launches every kernel from Python (for debugging).
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -59,6 +62,10 @@ class EngineConfig:
                                check_int(own, "max_model_len", self.max_model_len, minimum=1))
         check_bool(own, "compile", self.compile)
         object.__setattr__(self, "device", check_device(own, self.device))
+        if self.cuda_graphs is not None:
+            check_bool(own, "cuda_graphs", self.cuda_graphs)
+            if self.cuda_graphs and not self.device.startswith("cuda"):
+                raise ConfigError(f"{own}.cuda_graphs=True needs a CUDA device, got device={self.device!r}")
         pages = self.num_pages
         if isinstance(pages, tuple):      # pairs, as stored (dataclasses.replace passes them back)
             pages = dict(pages)
@@ -70,3 +77,8 @@ class EngineConfig:
                 raise ConfigTypeError(f"{own}.num_pages keys must be state kind names, got {kind!r}")
             check_int(own, f"num_pages[{kind!r}]", n, minimum=1)
         object.__setattr__(self, "num_pages", tuple(sorted((k, int(n)) for k, n in pages.items())))
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether the engine replays its steps as CUDA graphs (`cuda_graphs`, resolved)."""
+        return self.cuda_graphs if self.cuda_graphs is not None else self.device.startswith("cuda")

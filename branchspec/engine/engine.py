@@ -21,7 +21,7 @@ from branchspec.config import AutoPolicy, EngineConfig, SamplingParams, SpecConf
 from branchspec.engine.request import FinishReason, Sequence
 from branchspec.engine.runner import ModelRunner
 from branchspec.engine.scheduler import Scheduler
-from branchspec.execution import make_executor
+from branchspec.execution import Executor, make_executor
 from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED
 from branchspec.speculative.draft_vocab import DraftVocab
@@ -34,9 +34,11 @@ from branchspec.speculative.round import RoundResult
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None,
                  decode: Callable[[list[int], bool], str] | None = None, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = (), draft_vocab: DraftVocab | None = None):
+                 stop_token_ids: tuple[int, ...] = (), draft_vocab: DraftVocab | None = None,
+                 executor: Callable[[Transformer, PagedState], Executor] | None = None):
         """draft_vocab: the tokens the drafter may propose (a reduced draft vocabulary);
-        None: all of them."""
+        None: all of them. executor: builds the execution over the engine's paged state
+        (None: the one `config` asks for, `execution.make_executor`)."""
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.cfg = model.cfg
@@ -48,7 +50,8 @@ class Engine:
                                 page_size=self.config.page_size, dtype=p.dtype, device=p.device,
                                 num_pages=dict(self.config.num_pages))
         chunk = self.config.prefill_chunk_size
-        self.executor = make_executor(model, self.cache, self.config.compile)
+        self.executor = (executor(model, self.cache) if executor is not None
+                         else make_executor(model, self.cache, self.config.compile, self.config.uses_cuda_graphs))
         self.drafter = MTPDrafter(model, self.cache, self.executor, chunk, draft_vocab) if model.mtp else None
         self.runner = ModelRunner(model, self.cache, self.executor, self.drafter, chunk)
         self.scheduler = Scheduler(self.config.max_batch_size)

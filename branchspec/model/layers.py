@@ -456,21 +456,17 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tenso
     return F.linear(F.rms_norm(flat, (flat.shape[-1],), eps=eps), fn)     # unit_rms in one op
 
 
-_HC_SCALE_INDEX: dict[int, torch.Tensor] = {}
-
-
-def _hc_scale_index(n: int) -> torch.Tensor:
+def hc_scale_index(n: int) -> torch.Tensor:
     """Which of the three scales each mix row takes: pre (n rows), post (n), comb (n x n).
-    (A plain dict rather than functools.cache, which the compiler does not follow.)"""
-    if n not in _HC_SCALE_INDEX:
-        _HC_SCALE_INDEX[n] = torch.tensor([0] * n + [1] * n + [2] * (n * n))
-    return _HC_SCALE_INDEX[n]
+    A block keeps it as a buffer, so that it lives on the model's device (indexing with a
+    tensor on another device would copy it over at every call)."""
+    return torch.tensor([0] * n + [1] * n + [2] * (n * n))
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           cfg: ModelConfig, scale_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One mHC site before a sub-block: streams [..., n, d] -> (sub-block input [..., d],
-    post [..., n], comb [..., n, n]).
+    post [..., n], comb [..., n, n]); scale_index: `hc_scale_index(n)` on the streams' device.
 
     pre and post are sigmoid gates; comb is projected towards a doubly-stochastic matrix by
     Sinkhorn-Knopp (columns first, then rows and columns), so mixing keeps the streams' scale.
@@ -478,7 +474,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     two sites per layer.
     """
     n, eps = cfg.hc_mult, cfg.hc_eps
-    mixes = hc_mixes(streams, fn, cfg.norm_eps) * scale[_hc_scale_index(n)] + base   # [..., (2+n) n]
+    mixes = hc_mixes(streams, fn, cfg.norm_eps) * scale[scale_index] + base   # [..., (2+n) n]
     gates = torch.sigmoid(mixes[..., :2 * n])
     pre, post = gates[..., :n] + eps, 2 * gates[..., n:]
     comb = torch.softmax(mixes[..., 2 * n:].unflatten(-1, (n, n)), dim=-1) + eps

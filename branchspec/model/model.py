@@ -13,7 +13,8 @@ from torch import nn
 
 from branchspec.config import Compression, ModelConfig
 from branchspec.model.attention import Attention, LayerScratch, LayerState, RopeTables, empty_layer_state, rope_table_of
-from branchspec.model.layers import EXPERT_DISPATCH, Linear, RMSNorm, feed_forward, hc_head, hc_post, hc_pre, rope_tables
+from branchspec.model.layers import (EXPERT_DISPATCH, Linear, RMSNorm, feed_forward, hc_head, hc_post, hc_pre,
+                                     hc_scale_index, rope_tables)
 from branchspec.model.matmul import linear
 from branchspec.model.metadata import ForwardMeta, chain_meta
 
@@ -43,6 +44,7 @@ class Block(nn.Module):
                 self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(rows, n * cfg.d_model)))
                 self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(rows)))
                 self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+            self.register_buffer("hc_scale_index", hc_scale_index(n), persistent=False)
 
     def forward(self, h: torch.Tensor, meta: ForwardMeta, state: LayerState, input_ids: torch.Tensor,
                 rope: RopeTables) -> tuple[torch.Tensor, LayerScratch]:
@@ -51,10 +53,12 @@ class Block(nn.Module):
             a, scratch = self.attn(self.attn_norm(h), meta, state, rope)
             h = h + a
             return h + self.ffn(self.ffn_norm(h), input_ids), scratch
-        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg,
+                               self.hc_scale_index)
         a, scratch = self.attn(self.attn_norm(x), meta, state, rope)
         h = hc_post(a, h, post, comb)
-        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg,
+                               self.hc_scale_index)
         return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb), scratch
 
 
@@ -126,6 +130,15 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = Linear(cfg.d_model, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTP(cfg, expert_dispatch) for _ in range(cfg.num_mtp_layers))
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moving the model moves its RoPE frequency tables too (kept in float64 whatever
+        the model's dtype, so not buffers, which a dtype cast would reach): a forward must
+        not copy them to the device at every call."""
+        super()._apply(fn, recurse)
+        device = self.embed.weight.device
+        self.rope = {name: t.to(device) for name, t in self.rope.items()}
+        return self
 
     def _streams(self, x: torch.Tensor) -> torch.Tensor:
         """Embedded tokens [B, N, d] -> the residual's starting value (copied into n streams)."""
