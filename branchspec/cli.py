@@ -66,8 +66,18 @@ def _add_generate(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--compile", action="store_true", help="run the compiled fast path (compiles first)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--disable-cuda-graph", action="store_true", help=CUDA_GRAPH_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_generate, parser=p)
+
+
+CUDA_GRAPH_HELP = ("on a GPU, launch every kernel from Python instead of replaying each step as a CUDA graph "
+                   "(slower; for debugging)")
+
+
+def cuda_graphs_arg(args) -> bool | None:
+    """--disable-cuda-graph as LLM's cuda_graphs: False, or None (the device decides)."""
+    return False if getattr(args, "disable_cuda_graph", False) else None
 
 
 def _generate(args) -> int:
@@ -84,9 +94,9 @@ def _generate(args) -> int:
     except ValueError as e:
         args.parser.error(str(e))
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, compile=args.compile, device=args.device,
-              speculative_token_map=token_map_arg(args.speculative_token_map))
-    if args.compile:
-        from branchspec.execution.compiled import report_progress
+              speculative_token_map=token_map_arg(args.speculative_token_map), cuda_graphs=cuda_graphs_arg(args))
+    if args.compile or llm.engine_config.uses_cuda_graphs:
+        from branchspec.execution.compiled_step import report_progress
 
         report_progress()
         # The verify graphs for this one request's decoding (a draw at its temperature alone
@@ -94,7 +104,7 @@ def _generate(args) -> int:
         mode = "sampled" if params.sampling_temperature > 0 and params.top_p >= 1.0 else "greedy"
         info = llm.warmup(spec, batch_sizes=(1,), sampling=(mode,))
         print(f"fast path ready in {info['seconds']:.1f} s ({info['graphs']} graphs compiled, "
-              f"{info['loaded']} loaded from the cache)", file=sys.stderr)
+              f"{info['loaded']} loaded from the cache, {info['captured']} CUDA graphs captured)", file=sys.stderr)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, spec=spec)[0]
     else:
@@ -171,6 +181,7 @@ def _add_serve(sub):
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph before serving)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--disable-cuda-graph", action="store_true", help=CUDA_GRAPH_HELP)
     p.set_defaults(func=_serve, parser=p)
 
 
@@ -225,11 +236,13 @@ def _serve(args) -> int:
         torch.set_num_threads(args.num_threads)
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
               max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device,
-              speculative_token_map=token_map_arg(args.speculative_token_map))
-    if args.compile:   # before the port opens: no request waits for a compilation
-        info = llm.warmup(spec, batch_sizes=(1, 2) if args.max_running_requests > 1 else (1,))
-        logging.getLogger("branchspec.serve").info("fast path ready in %.1f s (%d graphs compiled, %d loaded)",
-                                                   info["seconds"], info["graphs"], info["loaded"])
+              speculative_token_map=token_map_arg(args.speculative_token_map), cuda_graphs=cuda_graphs_arg(args))
+    if args.compile or llm.engine_config.uses_cuda_graphs:
+        # Before the port opens: no request waits for a compilation or a graph capture.
+        info = llm.warmup(spec)
+        logging.getLogger("branchspec.serve").info(
+            "fast path ready in %.1f s (%d graphs compiled, %d loaded, %d CUDA graphs captured)",
+            info["seconds"], info["graphs"], info["loaded"], info["captured"])
     try:
         return run(llm, spec, host=args.host, port=args.port, api_key=args.api_key,
                    max_queued_requests=args.max_queued_requests, model_name=args.served_model_name,

@@ -16,7 +16,7 @@ import torch
 
 from branchspec.checkpoint import checkpoint_stop_ids, load_checkpoint
 from branchspec.config import (MAX_SEED, AutoPolicy, ConfigError, ConfigTypeError, EngineConfig, SamplingParams,
-                               SpecConfig, check_int)
+                               SpecConfig, check_int, spec_label)
 from branchspec.data.chat import ROLES
 from branchspec.engine.engine import Engine
 from branchspec.engine.request import Sequence
@@ -127,7 +127,9 @@ class LLM:
     later calls reuse the pools, and unseeded sampled requests differ from call to call.
     `seed` fixes that stream, so a whole script of calls is reproducible.
     `compile=True` runs decode, verify and drafting compiled (`warmup` compiles ahead).
-    `device` ("cpu", "cuda", "cuda:N") is where the model, its state and its steps run.
+    `device` ("cpu", "cuda", "cuda:N") is where the model, its state and its steps run; on
+    a GPU every step replays as a CUDA graph per batch bucket (`cuda_graphs=False`: its
+    kernels launched one by one from Python instead, for debugging).
     `speculative_token_map` (SGLang's flag): the tokens the drafter may propose, a reduced
     draft vocabulary (`speculative/draft_vocab.py`); None takes the checkpoint's own
     `draft_vocab.safetensors` if it has one, False drafts over the whole vocabulary.
@@ -143,7 +145,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  max_batch_size: int = 64, max_model_len: int | None = None, page_size: int = 16,
                  seed: int | None = None, compile: bool = False, device: str = "cpu",
-                 speculative_token_map: str | os.PathLike | bool | None = None):
+                 speculative_token_map: str | os.PathLike | bool | None = None, cuda_graphs: bool | None = None):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint folder path (str or PathLike) or None, "
                             f"got {type(model).__name__}")
@@ -152,7 +154,8 @@ class LLM:
         if seed is not None:
             seed = check_int("LLM", "seed", seed, minimum=0, maximum=MAX_SEED)
         self.engine_config = EngineConfig(max_batch_size=max_batch_size, page_size=page_size,
-                                          max_model_len=max_model_len, compile=compile, device=device)
+                                          max_model_len=max_model_len, compile=compile, device=device,
+                                          cuda_graphs=cuda_graphs)
         path = Path(model) if model is not None else DEFAULT_CHECKPOINT
         if model is None and not (path / "config.json").is_file():
             raise FileNotFoundError(f"the embedded default checkpoint is missing at {path}; "
@@ -169,7 +172,7 @@ class LLM:
         self._holder: tuple[int, str] | None = None   # (thread, what) of the owner
 
     def _build(self, path: Path, dtype: str, compile: bool, device: str, speculative_token_map) -> None:
-        self.model = load_checkpoint(path, dtype, expert_dispatch=expert_dispatch(compile)).to(device)
+        self.model = load_checkpoint(path, dtype, expert_dispatch=expert_dispatch(compile, device)).to(device)
         pack_products(self.model)     # the large weights' products through oneDNN (model/matmul.py)
         self.tokenizer = None
         if (path / "tokenizer.json").is_file():
@@ -248,39 +251,56 @@ class LLM:
         known = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < known], skip_special_tokens=skip_special_tokens)
 
-    def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] = (1, 2),
-               sampling: tuple[str, ...] = ("greedy", "sampled")) -> dict:
+    def warmup(self, spec: SpecConfig | AutoPolicy | None = None, batch_sizes: tuple[int, ...] | None = None,
+               sampling: tuple[str, ...] = ("greedy", "sampled"), progress: bool = True) -> dict:
         """Run short dummy generations at each batch size with `spec`, so that a compiled
-        LLM compiles every graph that configuration needs now rather than mid-request, and
-        no other: a fixed SpecConfig never decodes plainly, so plain decoding is warmed by
-        `warmup(None)`. Batch 1 and any batch of 2 or more cover all batch sizes. With
+        LLM compiles, and a CUDA-graph one captures, every graph that configuration needs
+        now rather than mid-request, and no other: a fixed SpecConfig never decodes
+        plainly, so plain decoding is warmed by `warmup(None)`. With
         `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
-        warms plain decoding and every candidate. batch_sizes: positive integers; sizes past
-        the engine's max_batch_size run at max_batch_size (no batch grows larger).
+        warms plain decoding and every candidate.
+
+        batch_sizes: positive integers; sizes past the engine's max_batch_size run at
+        max_batch_size (no batch grows larger). None: what the execution needs to meet
+        every graph: batch 1 and one larger batch for compiled steps (a batch of 2 or more
+        covers all), every batch bucket, largest first, for CUDA graphs.
         sampling: the requests to warm for, "greedy" and/or "sampled": a batch with a request
         sampled at its temperature alone (no top-p, top-k or min-p), the others greedy or
         alike, draws its tokens inside the plain step's or the verify pass's graph, a graph
-        of its own per D and batch class; other requests run the greedy graphs. Returns
-        {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the cache folder
-        instead}; on an eager LLM it only warms caches."""
-        from branchspec.execution.compiled import compilations, steps_loaded
+        of its own per D and batch class; other requests run the greedy graphs.
+        progress: a progress bar over the warm-up runs (compilations are logged as they
+        start and end, `compiled_step.report_progress`).
 
-        sizes = _batch_sizes(batch_sizes, self.engine_config.max_batch_size)
+        Returns {"seconds", "graphs" compiled, "loaded": compiled steps loaded from the
+        cache folder instead, "captured": CUDA graphs captured}; on an eager LLM it only
+        warms caches."""
+        from tqdm import tqdm
+
+        from branchspec.execution.compiled_step import compilations, steps_loaded
+
+        max_batch = self.engine_config.max_batch_size
+        executor = self.engine.executor
+        if batch_sizes is None:
+            sizes = executor.batch_sizes(max_batch)
+        else:
+            sizes = _batch_sizes(batch_sizes, max_batch)
         temperatures = _warmup_temperatures(sampling)
         with self._exclusive("warmup"):
             policy = self.engine.policy(spec)
             t0, graphs0, loaded0 = time.perf_counter(), compilations(), steps_loaded()
-            policy.prepare(progress=True)
+            captured0 = getattr(executor, "captures", 0)
+            policy.prepare(progress=progress)
             prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
-            for b in sizes:
-                for s in policy.configurations:
-                    for t in temperatures:
-                        # Long enough to cross a page of entries and finish rounds at every accept length.
-                        params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
-                                                temperature=t, ignore_eos=True, seed=0)
-                        self._run([prompt] * b, [params] * b, s, False)
+            runs = [(b, s, t) for b in sizes for s in policy.configurations for t in temperatures]
+            with tqdm(runs, desc="warm-up", unit="run", disable=not progress, leave=False) as bar:
+                for b, s, t in bar:
+                    bar.set_postfix_str(f"batch {b}, {spec_label(s)}, {'sampled' if t else 'greedy'}")
+                    # Long enough to cross a page of entries and finish rounds at every accept length.
+                    params = SamplingParams(max_tokens=min(3 * (s.num_draft_tokens if s else 1) + 2, 32),
+                                            temperature=t, ignore_eos=True, seed=0)
+                    self._run([prompt] * b, [params] * b, s, False)
             return {"seconds": time.perf_counter() - t0, "graphs": compilations() - graphs0,
-                    "loaded": steps_loaded() - loaded0}
+                    "loaded": steps_loaded() - loaded0, "captured": getattr(executor, "captures", 0) - captured0}
 
     # -- input ------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence_[int], name: str = "prompt") -> list[int]:

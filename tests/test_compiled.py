@@ -15,7 +15,7 @@ import torch
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
-from branchspec.execution.compiled import compilations, steps_loaded
+from branchspec.execution.compiled_step import compilations, steps_loaded
 from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
@@ -96,7 +96,7 @@ def test_guards_run_once_per_argument_signature(llms, monkeypatch):
     engine's, and nothing recompiles."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
-    from branchspec.execution.compiled import CompiledStep
+    from branchspec.execution.compiled_step import CompiledStep
 
     eager, fast, _ = llms
     counts = {"calls": 0, "checks": 0}
@@ -150,14 +150,15 @@ def test_a_new_signature_goes_through_the_guards(monkeypatch):
     (`_recompiled`, here a stand-in fallback)."""
     from types import SimpleNamespace
 
-    from branchspec.execution.compiled import CompiledStep, Shared
+    from branchspec.execution.arguments import Shared
+    from branchspec.execution.compiled_step import CompiledStep
 
     model = SimpleNamespace(embed=SimpleNamespace(weight=torch.zeros(1)))
     saved = _Step(lambda x, y, shared, n: x.dtype == torch.float32 and x.is_contiguous())
     step = CompiledStep(model, lambda model, *args: None, one_shape=True)
     monkeypatch.setattr(step, "_prepare", lambda cls, state, args: step.steps.setdefault((cls, state), saved))
     fallback = []
-    monkeypatch.setattr(step, "_fallback", lambda: lambda model, *args: fallback.append(args) or "fallback")
+    monkeypatch.setattr(step, "_fallback", lambda cls: lambda model, *args: fallback.append(args) or "fallback")
     x, y, table = torch.zeros(2, 3), torch.zeros(2, 3), Shared({"a": torch.zeros(4)})
 
     def run(*args):
@@ -269,7 +270,8 @@ def test_a_compiled_engine_needs_the_dense_expert_dispatch():
 def test_steps_are_keyed_by_every_setting_their_guards_check(ckpt):
     """The thread count, grad mode and default dtype are checked by a compiled step's
     guards: a step saved under other settings must have another name (compiles nothing)."""
-    from branchspec.execution.compiled import CompiledStep, decode_step, global_state
+    from branchspec.execution.compiled_step import CompiledStep, global_state
+    from branchspec.execution.steps import decode_step
 
     step = CompiledStep(random_model(tiny_config(), seed=0), decode_step)
     n = torch.get_num_threads()
@@ -292,7 +294,7 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
     run eagerly without trying again. Nothing is compiled (the steps are stand-ins)."""
     import warnings
 
-    from branchspec.execution.compiled import CompiledStep
+    from branchspec.execution.compiled_step import CompiledStep
 
     monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path))
     calls = {"saved": 0, "fallback": 0}
@@ -306,7 +308,7 @@ def test_a_step_whose_compilation_fails_runs_eagerly(ckpt, monkeypatch, tmp_path
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
 
     monkeypatch.setattr(CompiledStep, "_prepare", lambda self, cls, state, args: saved_step)
-    monkeypatch.setattr(CompiledStep, "_fallback", lambda self: fallback)
+    monkeypatch.setattr(CompiledStep, "_fallback", lambda self, cls: fallback)
     eager = LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=256, seed=0)
     fast = LLM(ckpt, max_batch_size=4, page_size=4, max_model_len=256, seed=0, compile=True)
     params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=12, temperature=1.0, seed=3)]
@@ -329,7 +331,7 @@ def test_settings_now_is_rebuilt_exactly_when_torch_settings_change():
     """A compiled step keys its graphs by torch's settings (`global_state`); the string it
     reads on every call is kept until dynamo's global-state guard sees a change, and then
     rebuilt (kept regardless, a step would run a graph traced under other settings)."""
-    from branchspec.execution.compiled import global_state, settings_now
+    from branchspec.execution.compiled_step import global_state, settings_now
 
     first = settings_now()
     assert first == global_state() and settings_now() is first

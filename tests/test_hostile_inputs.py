@@ -365,7 +365,6 @@ def test_interrupted_generate_frees_its_pages(llm, still_serves, monkeypatch):
 
 BAD_WARMUP = [
     pytest.param("1,2", TypeError, r"LLM.warmup.batch_sizes must be a tuple of integers", id="string"),
-    pytest.param(None, TypeError, r"LLM.warmup.batch_sizes must be a tuple", id="none"),
     pytest.param(4, TypeError, r"LLM.warmup.batch_sizes must be a tuple", id="int"),
     pytest.param((1.0, 2.0), TypeError, r"LLM.warmup.batch_sizes\[0\] must be an integer, got float", id="floats"),
     pytest.param((), ValueError, r"LLM.warmup.batch_sizes is empty", id="empty"),
@@ -389,6 +388,7 @@ def test_bad_warmup_sampling_modes(llm, still_serves, sampling):
 
 def test_warmup_takes_sizes_past_the_batch_as_the_batch(llm, still_serves):
     assert llm.warmup(None, batch_sizes=(1, 64, 4))["graphs"] == 0      # eager: nothing to compile
+    assert llm.warmup(None, batch_sizes=None, progress=False)["graphs"] == 0   # None: what the execution needs
 
 
 # -- threads ----------------------------------------------------------------------------------

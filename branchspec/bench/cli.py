@@ -130,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on a GPU, launch every kernel from Python instead of replaying each step as a CUDA graph")
     p.add_argument("--speculative-token-map", default=None, metavar="FILE|none",
                    help="a reduced draft vocabulary file (draft_vocab.safetensors), or none for the full vocabulary (default: the checkpoint's own map, if it has one)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -163,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         dtype=args.dtype,
         compile=args.compile,
         device=args.device,
+        cuda_graphs=False if args.disable_cuda_graph else None,
         token_map=args.speculative_token_map,
         threads=args.threads,
         progress=not args.no_progress,
@@ -198,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     for note in cfg.notes:
         print(note, file=sys.stderr)   # the same line heads report.md
     if cfg.compile and cfg.progress:
-        from branchspec.execution.compiled import report_progress
+        from branchspec.execution.compiled_step import report_progress
 
         report_progress()
     result = run_study(cfg)

@@ -68,6 +68,7 @@ class StudyConfig:
     dtype: str = "float32"
     compile: bool = False
     device: str = "cpu"               # "cpu", "cuda" or "cuda:N"
+    cuda_graphs: bool | None = None   # LLM's: None replays CUDA graphs on a GPU
     # The drafter's vocabulary: None the checkpoint's own reduced map (if any), "none" the
     # full vocabulary, else a map file (`LLM(speculative_token_map=...)`).
     token_map: str | None = None
@@ -241,7 +242,7 @@ class StudyConfig:
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
             "seed": self.seed,
-            "dtype": self.dtype, "compile": self.compile, "device": self.device,
+            "dtype": self.dtype, "compile": self.compile, "device": self.device, "cuda_graphs": self.cuda_graphs,
             "token_map": self.token_map or "checkpoint's",
             "threads": self.threads or torch.get_num_threads(),
             "prompts": "override" if self.prompts_override is not None else "eval split",
@@ -336,14 +337,16 @@ def run_study(cfg: StudyConfig) -> StudyResult:
     # request plus one round of slack (not the model's full max_position); seeded, so
     # sampled studies repeat run to run.
     llm = LLM(cfg.model, dtype=cfg.dtype, max_batch_size=max(cfg.batch_sizes), max_model_len=max_len,
-              seed=0, compile=cfg.compile, device=cfg.device, speculative_token_map=token_map_arg(cfg.token_map))
+              seed=0, compile=cfg.compile, device=cfg.device, speculative_token_map=token_map_arg(cfg.token_map),
+              cuda_graphs=cfg.cuda_graphs)
     compile_seconds = 0.0
-    if cfg.compile:
-        # Compile every graph the grid needs before anything is timed.
-        sizes = tuple(sorted({min(b, 2) for b in cfg.batch_sizes}))   # batch 1, and any larger, have graphs apart
+    if cfg.compile or llm.engine_config.uses_cuda_graphs:
+        # Compile (and capture) every graph the grid needs before anything is timed: compiled
+        # steps have batch 1 and any larger batch apart, CUDA graphs every bucket.
+        sizes = None if llm.engine_config.uses_cuda_graphs else tuple(sorted({min(b, 2) for b in cfg.batch_sizes}))
         mode = ("sampled",) if cfg.temperature > 0 else ("greedy",)     # only the graphs the study's requests run
         for spec in cfg.group():
-            compile_seconds += llm.warmup(spec, batch_sizes=sizes, sampling=mode)["seconds"]
+            compile_seconds += llm.warmup(spec, batch_sizes=sizes, sampling=mode, progress=cfg.progress)["seconds"]
     elif "auto" in cfg.policies:
         llm.engine.policy(cfg.auto_policy(), progress=True)   # the round-cost calibration, untimed
 
