@@ -23,6 +23,7 @@ from branchspec.execution.eager import EagerExecutor
 from branchspec.execution.graphs import CudaGraphs, GraphRunner, Replay, graph_buckets
 from branchspec.execution.steps import decode_draw_step, decode_step, drafter_step, plan_step
 from branchspec.model.attention import LayerState
+from branchspec.model.layers import build_stacked
 from branchspec.model.metadata import ForwardMeta
 from branchspec.model.model import ForwardOutput, Transformer
 from branchspec.sampling import NodeDraws
@@ -40,6 +41,9 @@ class GraphExecutor(EagerExecutor):
     def __init__(self, model: Transformer, cache, compiled: bool = False, backend: Replay | None = None,
                  steps: CompiledSteps | None = None):
         check_dense_dispatch(model, "CUDA-graph")
+        # The joined projections' copies built now, outside any capture, and frozen: a copy
+        # rebuilt inside one would live in the graphs' memory pool.
+        build_stacked(model)
         super().__init__(model, cache)
         self.compiled = compiled
         self.name = "compiled+graphs" if compiled else "eager+graphs"
