@@ -107,7 +107,9 @@ def test_kinds_of_tiny_config():
     state = make_state()
     assert set(state.specs) == {"raw", "buf4", "ent4", "buf128", "ent128", "ibuf", "ikey", "mtp"}
     for kind, spec in state.specs.items():
-        assert state.storage[kind].shape == (len(spec.layers), state.pools[kind].num_pages * P + 1, spec.width)   # + the sink
+        # the pool's pages, then the sink page, which no sequence holds
+        assert state.storage[kind].shape == (len(spec.layers), (state.pools[kind].num_pages + 1) * P, spec.width)
+        assert state.sink_page[kind] == state.pools[kind].num_pages
         if spec.ring is not None:
             assert spec.ring % P == 0
 

@@ -124,12 +124,11 @@ def _rebuild(obj: Any, fn: Callable[[torch.Tensor, str], torch.Tensor], role: st
     The same walk, in the same order, for the arguments and for the static inputs."""
     if isinstance(obj, torch.Tensor):
         return fn(obj, role if obj.dim() > 0 else "unbatched")
-    if isinstance(obj, Pools):
-        return Pools({k: fn(v, "pools") for k, v in obj.storage.items()})
     if isinstance(obj, Shared):
-        return Shared({k: fn(v, "shared") for k, v in obj.storage.items()})
+        inner = "pools" if isinstance(obj, Pools) else "shared"
+        return type(obj)({k: _rebuild(v, fn, inner) for k, v in obj.storage.items()})
     if isinstance(obj, BlockTables):
-        return BlockTables({k: fn(v, f"table:{k}") for k, v in obj.tables.items()}, obj.page_size)
+        return BlockTables({k: _rebuild(v, fn, f"table:{k}") for k, v in obj.tables.items()}, obj.page_size)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_rebuild(v, fn, role) for v in obj)
     if isinstance(obj, dict):
