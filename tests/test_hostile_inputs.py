@@ -136,6 +136,19 @@ BAD_SAMPLING = [
     pytest.param(dict(stop=5), TypeError, "stop", id="stop-int"),
     pytest.param(dict(stop=[""]), ValueError, r"stop\[0\]", id="stop-empty"),
     pytest.param(dict(ignore_eos="yes"), TypeError, "ignore_eos", id="ignore-eos-str"),
+    # arrays where one number belongs: once float()'s own error, naming no field
+    pytest.param(dict(temperature=torch.tensor([0.5, 0.7])), TypeError,
+                 r"SamplingParams.temperature must be a number, got Tensor of shape \(2,\)", id="temperature-tensor"),
+    pytest.param(dict(top_p=np.array([0.5, 0.9])), TypeError, r"SamplingParams.top_p must be a number, got ndarray",
+                 id="top-p-array"),
+    pytest.param(dict(top_k=torch.tensor([3, 4])), TypeError, r"SamplingParams.top_k must be an integer",
+                 id="top-k-tensor"),
+    pytest.param(dict(max_tokens=np.array([3, 4])), TypeError, r"SamplingParams.max_tokens must be an integer",
+                 id="max-tokens-array"),
+    # n = 10**12 (a typo for 12) never started and grew without bound; the server's limit, vLLM's
+    pytest.param(dict(n=10**12), ValueError, r"SamplingParams.n must be <= 16384, got 1000000000000", id="n-huge"),
+    pytest.param(dict(logit_bias=[(5, 1.0), (5, -2.0)]), ValueError,
+                 r"SamplingParams.logit_bias gives token 5 twice \(biases 1 and -2\)", id="logit-bias-twice"),
 ]
 
 
@@ -167,6 +180,53 @@ def test_topk_beyond_vocabulary(llm, still_serves):
 @pytest.mark.parametrize("spec", [{"num_steps": 3}, (3, 2, 6), "tree", 6])
 def test_spec_of_wrong_type(llm, still_serves, spec):
     refused(TypeError, "spec must be a SpecConfig", lambda: llm.generate(NORMAL, normal_params(), spec=spec))
+
+
+def test_one_element_arrays_and_scalars_are_numbers():
+    p = SamplingParams(temperature=torch.tensor(0.5), top_p=np.float32(0.75), top_k=np.int64(3), n=torch.tensor(2))
+    assert (p.temperature, p.top_p, p.top_k, p.n) == (0.5, 0.75, 3, 2)
+
+
+@pytest.mark.parametrize("candidates, kwargs, error, match", [
+    (5, {}, TypeError, r"SpecConfig.auto: candidates must be a list of SpecConfig or None .*got int 5"),
+    (TREE, {}, TypeError, r"candidates must be a list .*got SpecConfig.*wrap a single configuration in a list"),
+    ("tree", {}, TypeError, r"candidates must be a list"),
+    ([None, TREE], dict(max_draft_tokens=999, selection="bogus"), ValueError,
+     r"SpecConfig.auto: max_draft_tokens=999 shapes the default candidates only, and candidates are given"),
+    ([None, TREE], dict(selection="eagle2"), ValueError, r"selection='eagle2' shapes the default candidates only"),
+    (None, dict(max_draft_tokens=999), ValueError, r"SpecConfig.auto.max_draft_tokens must be <= 16"),
+    (None, dict(selection="bogus"), ValueError, r"selection='bogus' is not one of"),
+])
+def test_auto_refuses_what_it_would_ignore_or_not_understand(candidates, kwargs, error, match):
+    refused(error, match, lambda: SpecConfig.auto(candidates, **kwargs))
+
+
+@pytest.mark.parametrize("selection", ["calibrated", "eagle2"])
+def test_auto_takes_every_budget_the_flag_allows(selection):
+    """From D = 13 on the deep (D-1)x2 tree had 8,190 nodes to weigh, past the policy's
+    4,096: `--speculative-num-draft-tokens 13` with the auto policy was refused about a
+    candidate the user never gave. The deep shape stops at 11 steps."""
+    from branchspec.config import AutoPolicy, fast_path_candidates
+
+    for top in range(2, 17):
+        auto = SpecConfig.auto(max_draft_tokens=top, selection=selection)
+        assert auto.max_draft_tokens == top
+        assert all(sum(c.topk ** d for d in range(1, c.num_steps + 1)) <= AutoPolicy.MAX_PATHS
+                   for c in auto.speculative)
+        SpecConfig.auto(fast_path_candidates(top, selection))
+    if selection == "calibrated":
+        deep = [c for c in SpecConfig.auto(max_draft_tokens=16).speculative if c.topk == 2 and c.num_steps > 4]
+        assert max(c.num_steps for c in deep) == 11 and SpecConfig(11, 2, 16, "calibrated") in deep
+
+
+def test_cli_auto_policy_at_every_budget_the_flag_allows(monkeypatch):
+    from branchspec.cli import _spec_from_args, build_parser
+
+    parser = build_parser()
+    for top in (13, 16):
+        args = parser.parse_args(["generate", "hi", "--speculative-policy", "auto",
+                                  "--speculative-num-draft-tokens", str(top)])
+        assert _spec_from_args(args, parser).max_draft_tokens == top
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
