@@ -27,6 +27,7 @@ loads as a ``ForeignTokenizer``: bos/eos from its ``tokenizer_config.json`` or t
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -59,6 +60,34 @@ OWN_TEMPLATE_KEY = "branchspec_chat_template"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+
+
+# A text this long is encoded through the backend's batch call, which releases the GIL
+# while it works (its one-text `encode` holds it: a prompt of megabytes held every other
+# thread, a server's event loop included, for seconds). Shorter texts take the plain call,
+# which keeps the backend's thread pool (and its warning on a later fork) out of use.
+RELEASE_GIL_CHARS = 1 << 16
+
+
+def _encode_releasing_gil(backend: _HFTokenizer, text: str) -> list[int]:
+    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)   # _fast: no offsets (tokenizers >= 0.20)
+    return batch([text], add_special_tokens=False)[0].ids
+
+
+# Pre-tokenizers that split text without dropping any of it (ByteLevel and Metaspace
+# respell it, a Split that keeps its matches keeps them).
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split")
+
+
+def _keeps_every_character(pre: dict | None) -> bool:
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(p) for p in pre.get("pretokenizers", []))
+    if kind == "Split" or kind == "Punctuation":
+        return pre.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 def _read_json_object(path: Path) -> tuple[str, dict]:
@@ -130,10 +159,30 @@ class Tokenizer:
         previous = backend.encode_special_tokens
         backend.encode_special_tokens = not parse_special
         try:
-            ids = backend.encode(text, add_special_tokens=False).ids
+            if len(text) < RELEASE_GIL_CHARS:
+                ids = backend.encode(text, add_special_tokens=False).ids
+            else:   # the same ids, computed without holding the GIL (see RELEASE_GIL_CHARS)
+                ids = _encode_releasing_gil(backend, text)
         finally:
             backend.encode_special_tokens = previous
         return [self.bos_id, *ids] if add_bos else ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (its longest entry, an
+        added token's content included), so a text of more than n times this many
+        characters has more than n tokens, which a server can tell without tokenizing it.
+        None where the bound does not hold: a normaliser (NFC composes two characters into
+        one) or a pre-tokenizer that drops characters (whitespace splitting) lets a token
+        stand for more of the input than its own spelling."""
+        try:
+            spec = json.loads(self._backend.to_str())
+        except (ValueError, TypeError):
+            return None
+        if spec.get("normalizer") is not None or not _keeps_every_character(spec.get("pre_tokenizer")):
+            return None
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=None)
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
         """``encode`` over many texts, in parallel inside the backend."""
