@@ -550,6 +550,51 @@ def test_round_memory_bound_suggests_what_fits():
     check_round_memory(SpecConfig(5, 8, 64), cfg, None)                 # unknown memory: not checked
 
 
+def test_page_pools_that_cannot_fit_are_refused_naming_the_knob(ckpt, monkeypatch, capsys):
+    """max_batch_size=100000 sized the pools with no look at the memory (an allocator
+    failure of 9.8 GB); now refused before allocating, naming the knob (the serve flag
+    for serve) and the largest value that fits, and that value builds."""
+    from branchspec.config import ConfigError
+    from branchspec.engine import engine as engine_module
+    from branchspec.speculative.footprint import pool_bytes
+
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 64 << 20)
+    with pytest.raises(ConfigError, match=r"max_batch_size=100000: the page pools for 100000 requests of up to 128 "
+                                          r"tokens would take .* GiB, more than the 51 MiB they may take of the 64 MiB "
+                                          r"free on cpu; use max_batch_size <= (\d+)") as e:
+        LLM(ckpt, max_batch_size=100_000, max_model_len=128)
+    fits = int(re.search(r"max_batch_size <= (\d+)", str(e.value)).group(1))
+    llm = LLM(ckpt, max_batch_size=fits, max_model_len=128)
+    stored = sum(t.numel() * t.element_size() for t in llm.engine.cache.storage.values())
+    assert stored <= sum(pool_bytes(llm.config, fits, 128, 16, 4).values()) <= 0.8 * (64 << 20)
+    refused(ConfigError, r"max_batch_size=\d+", lambda: LLM(ckpt, max_batch_size=fits + 1, max_model_len=128))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", str(ckpt), "--max-running-requests", "100000", "--max-model-len", "128"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert re.search(r"--max-running-requests=100000: the page pools .* use --max-running-requests <= \d+ \(or a "
+                     r"smaller --max-model-len\)", err), err
+
+
+def test_an_address_space_limit_counts_as_the_memory_there_is(tmp_path):
+    """The issue's probe: under a 6 GB address-space cap (a smaller machine), LLM with
+    max_batch_size=100000 is a ConfigError naming the knob, not DefaultCPUAllocator's
+    traceback; the cap is part of the free memory the check reads."""
+    import subprocess
+    import sys
+
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+              "from branchspec import LLM\n"
+              "from branchspec.speculative.footprint import available_memory\n"
+              "import torch\n"
+              "assert available_memory(torch.device('cpu')) < 6 << 30\n"
+              "try:\n    LLM(max_batch_size=100000)\nexcept ValueError as e:\n    print(type(e).__name__, e)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert re.match(r"ConfigError max_batch_size=100000: the page pools for 100000 requests of up to 2048 tokens "
+                    r"would take 85.4 GiB, more than .* use max_batch_size <= \d+", run.stdout), run.stdout
+
+
 @pytest.mark.parametrize("candidate, match", [
     (SpecConfig.chain(18), r"candidates\[1\] \(chain D=18\) drafts 17 steps deep.*num_steps <= 16"),
     (SpecConfig(num_steps=13, topk=4, num_draft_tokens=14), r"candidates\[1\] \(tree 13x4 D=14\) could verify "

@@ -276,7 +276,7 @@ class Tokenizer:
         backend = _HFTokenizer.from_str(self._backend.to_str())
         backend.post_processor = processors.TemplateProcessing(
             single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, self.bos_id)])
-        backend.save(str(out / TOKENIZER_FILE))
+        _save_backend(backend, out / TOKENIZER_FILE)
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": BOS,
@@ -345,6 +345,20 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def _save_backend(backend: _HFTokenizer, path: Path) -> None:
+    """``tokenizers``' save, whose I/O failures (a full disk) are bare Exceptions: raised
+    as the OSError they are, naming the file."""
+    from branchspec.atomic import os_error_of
+
+    try:
+        backend.save(str(path))
+    except Exception as e:   # noqa: BLE001 - the backend's errors are plain Exception
+        error = os_error_of(e, path)
+        if error is None:
+            raise
+        raise error from e
 
 
 def _token_content(value) -> str | None:
@@ -519,7 +533,7 @@ class ForeignTokenizer(Tokenizer):
         tokens filled in where they came from the model config)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self._backend.save(str(out / TOKENIZER_FILE))
+        _save_backend(self._backend, out / TOKENIZER_FILE)
         config = dict(self._config)
         for key, tid in (("bos_token", self._bos_id), ("eos_token", self._eos_id), ("pad_token", self._pad_id)):
             if _token_content(config.get(key)) is None and tid is not None:
