@@ -331,16 +331,37 @@ def test_role_markers_in_content_stay_text(llm, still_serves):
       "--speculative-num-draft-tokens", "3"], "topk <= 2"),
     (["generate", "hi", "--device", "npu7"], "not a device name"),
     (["bench", "--quick", "--device", "meta"], "only 'cpu' and 'cuda'"),
+    (["bench", "--quick", "--temperature", "inf"], "temperature must be a finite number"),
+    # flags that shape drafting, beside plain decoding: refused as serve refuses them
+    (["generate", "hi", "--speculative-algorithm", "NONE", "--speculative-eagle-topk", "4",
+      "--speculative-num-steps", "9"], "--speculative-num-steps needs speculation; drop --speculative-algorithm NONE"),
+    (["generate", "hi", "--speculative-algorithm", "none", "--speculative-num-draft-tokens", "4"],
+     "--speculative-num-draft-tokens needs speculation"),
+    (["generate", "hi", "--speculative-algorithm", "NONE", "--speculative-token-map", "map.safetensors"],
+     "--speculative-token-map needs speculation"),
+    (["serve", "--speculative-algorithm", "NONE", "--speculative-eagle-topk", "2"],
+     "--speculative-eagle-topk needs speculation"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number, got nan"),
+    (["serve", "--shutdown-timeout", "inf"], "--shutdown-timeout must be a finite number, got inf"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    (["train", "--out", "{tmp}/run", "--mtp-weight", "nan"], "mtp_weight must be a finite number, got nan"),
+    (["train", "--out", "{tmp}/run", "--lr", "inf"], "lr must be a finite number, got inf"),
 ])
-def test_cli_rejects_bad_input(ckpt, capsys, argv, match):
-    argv = [*argv, "--model", str(ckpt)]
+def test_cli_rejects_bad_input(ckpt, capsys, argv, match, tmp_path):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if argv[0] != "train":      # train's --model is a preset
+        argv = [*argv, "--model", str(ckpt)]
+    _cli_refuses(argv, match, capsys)
+
+
+def _cli_refuses(argv, match, capsys):
     try:
         rc = cli.main(argv)
-    except SystemExit as e:    # argparse-style errors
+    except SystemExit as e:
         rc = e.code
     assert rc == 2
     err = capsys.readouterr().err
-    assert match in err and "Traceback" not in err
+    assert match in err and "Traceback" not in err, err
 
 
 def test_cli_missing_model(tmp_path, capsys):
@@ -646,3 +667,47 @@ def test_cli_paths_are_checked_before_any_work(ckpt, tmp_path, capsys, argv, mat
     assert rc == 2, err
     assert re.search(match, err) and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before and f.read_text() == "x"
+
+
+@pytest.mark.parametrize("out, match", [
+    ("{file}/m.safetensors", r"--out .*a-file/m.safetensors cannot be written: .*a-file is a file, not a folder"),
+    ("{tmp}", None),
+    ("{tmp}/new/dir/m.safetensors", None),
+])
+def test_draft_vocab_checks_its_output_before_any_work(ckpt, tmp_path, capsys, monkeypatch, out, match):
+    """--out under a file once built for minutes and failed only when saving: checked
+    first now; a folder, or a file in folders yet to be made, is fine."""
+    import branchspec.checkpoint
+
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    monkeypatch.setattr(branchspec.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("work began"))
+    argv = ["draft-vocab", str(ckpt), "--out", out.format(file=f, tmp=tmp_path)]
+    if match is None:       # accepted: the work begins
+        with pytest.raises(pytest.fail.Exception, match="work began"):
+            cli.main(argv)
+        return
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(match, err) and "Traceback" not in err, err
+    assert f.read_text() == "x"
+
+
+def test_bench_report_only_names_the_corrupt_file_and_line(tmp_path, capsys):
+    """A results.jsonl cut mid-line once gave json's "Expecting ..." and nothing else."""
+    from branchspec.bench.cli import build_parser, main
+
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"workload": "gsm8k"\n')
+    assert main(build_parser().parse_args(["--report-only", str(tmp_path)])) == 2
+    err = capsys.readouterr().err
+    assert f"{path}, line 1: not a cell of a results file (JSONDecodeError: Expecting" in err
+    path.write_text("\n[1, 2]\n")
+    assert main(build_parser().parse_args(["--report-only", str(tmp_path)])) == 2
+    assert f"{path}, line 2: not a cell of a results file (TypeError" in capsys.readouterr().err
+    path.write_bytes(b"\xff\xfe")
+    assert main(build_parser().parse_args(["--report-only", str(tmp_path)])) == 2
+    assert f"{path} is not UTF-8 text" in capsys.readouterr().err
