@@ -331,9 +331,11 @@ def _health_beside(srv, path: str, body: dict) -> tuple[float, int, bytes]:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_TEXT}], "max_tokens": 4}, True),
     ("/v1/completions", {"prompt": BIG_TEXT, "max_tokens": 4}, False),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_TEXT}], "max_tokens": 4}, False),
-], ids=["tokenize", "completions", "chat", "completions-tokenized", "chat-tokenized"])
+    ("/detokenize", {"tokens": list(range(10, 250)) * 4000}, True),
+], ids=["tokenize", "completions", "chat", "completions-tokenized", "chat-tokenized", "detokenize"])
 def test_a_prompt_of_megabytes_does_not_stall_health(server, offline, still_serves, path, body, bounded):
-    """A 3 MB prompt (once: /health held 5-9 s while HF tokenizers' encode kept the GIL).
+    """A 3 MB prompt, or a million ids to detokenize (once: /health held 1-9 s while HF
+    tokenizers' encode or decode kept the GIL).
     Completions and chat refuse it by its length in characters before tokenizing (more
     than max_model_len tokens of this tokenizer can spell); with that bound off, and on
     /tokenize (which counts any prompt, as vLLM's does), it is tokenized without holding
@@ -357,6 +359,8 @@ def test_a_prompt_of_megabytes_does_not_stall_health(server, offline, still_serv
     if path == "/tokenize":
         assert status == 200 and payload["count"] == len(payload["tokens"]) > 1_000_000
         assert payload["tokens"][:40] == offline.encode(BIG_TEXT[:400])[:40]
+    elif path == "/detokenize":
+        assert status == 200 and payload["prompt"].startswith(offline.tokenizer.decode(list(range(10, 250))))
     else:
         assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
         assert payload["error"]["param"] == ("prompt" if "prompt" in body else "messages")

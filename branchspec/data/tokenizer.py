@@ -62,10 +62,11 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
-# A text this long is encoded through the backend's batch call, which releases the GIL
-# while it works (its one-text `encode` holds it: a prompt of megabytes held every other
-# thread, a server's event loop included, for seconds). Shorter texts take the plain call,
-# which keeps the backend's thread pool (and its warning on a later fork) out of use.
+# A text this long (or a quarter as many ids, to decode) goes through the backend's batch
+# call, which releases the GIL while it works (its one-text `encode` and `decode` hold it: a
+# prompt of megabytes held every other thread, a server's event loop included, for
+# seconds). Shorter ones take the plain call, which keeps the backend's thread pool (and
+# its warning on a later fork) out of use.
 RELEASE_GIL_CHARS = 1 << 16
 
 
@@ -201,7 +202,10 @@ class Tokenizer:
         if id_list and (min(id_list) < 0 or max(id_list) >= self.vocab_size):
             bad = next(i for i in id_list if not 0 <= i < self.vocab_size)
             raise ValueError(f"unknown token id {bad} (vocab_size is {self.vocab_size})")
-        return self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+        if len(id_list) < RELEASE_GIL_CHARS // 4:
+            return self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+        # The batch call releases the GIL (a million ids held it for a second otherwise).
+        return self._backend.decode_batch([id_list], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
