@@ -44,6 +44,36 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
         raise
 
 
+_OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(error: BaseException, path) -> OSError | None:
+    """The OSError inside a Rust library's own exception (safetensors' SafetensorError,
+    tokenizers' bare Exception: "... File too large (os error 27)"), naming `path`; None
+    when it is not an I/O error. So a full disk is an OSError wherever it strikes."""
+    if isinstance(error, OSError):
+        return error
+    m = _OS_ERROR_RE.search(str(error))
+    if m is None:
+        return None
+    errno = int(m.group(1))
+    return OSError(errno, os.strerror(errno), str(path))
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with an I/O failure (a full disk, a file-size limit) raised
+    as the OSError it is, naming `path`."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:   # noqa: BLE001 - SafetensorError is a bare Exception
+        error = os_error_of(e, path)
+        if error is None:
+            raise
+        raise error from e
+
+
 def write_text(path: Path, text: str) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
@@ -104,7 +134,8 @@ def new_folder(out: Path, refuse: Callable[[Path], None] | None = None) -> Itera
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+            # The file as it would have been named, not its temporary sibling's name.
+            name = str(e.filename).replace(str(tmp), str(out)) if e.filename else None
             raise OSError(e.errno, f"cannot write {out}: {e.strerror or e}"
-                                   f"{' (' + str(e.filename) + ')' if e.filename else ''}; nothing was left "
-                                   "there") from e
+                                   f"{' (' + name + ')' if name else ''}; nothing was left there") from e
         raise

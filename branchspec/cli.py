@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from branchspec.cli_paths import readable_folder, writable_folder
-from branchspec.config import AutoPolicy, SamplingParams, SpecConfig, fast_path_candidates
+from branchspec.cli_paths import readable_folder, writable_file, writable_folder
+from branchspec.config import AutoPolicy, ConfigError, SamplingParams, SpecConfig, fast_path_candidates
 from branchspec.speculative.draft_vocab import token_map_arg
 
 
@@ -17,7 +17,18 @@ POLICY_HELP = ("fixed: one configuration for every round (the --speculative-* fl
                "it chooses among fast_path_candidates, whose graphs compile in minutes, not hours)")
 
 
+_SPEC_KNOBS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
 def _spec_from_args(args, parser) -> SpecConfig | AutoPolicy | None:
+    if args.speculative_algorithm.upper() == "NONE":
+        # Flags that shape drafting mean nothing without it: refused, not ignored.
+        given = [f"--{f.replace('_', '-')}" for f in _SPEC_KNOBS if getattr(args, f) is not None]
+        token_map = getattr(args, "speculative_token_map", None)
+        if token_map is not None and token_map.lower() != "none":
+            given.append("--speculative-token-map")
+        if given:
+            parser.error(f"{given[0]} needs speculation; drop --speculative-algorithm NONE (or {given[0]})")
     if getattr(args, "speculative_policy", "fixed") == "auto":
         if args.speculative_algorithm.upper() == "NONE":
             parser.error("--speculative-policy auto needs speculation; drop --speculative-algorithm NONE")
@@ -187,12 +198,9 @@ def _add_serve(sub):
 
 def _serve_spec(args, parser) -> SpecConfig | None:
     """Plain decoding unless speculation is asked for; then `generate`'s defaults."""
-    given = [f for f in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
-             if getattr(args, f) is not None]
+    given = [f for f in _SPEC_KNOBS if getattr(args, f) is not None]
     if args.speculative_algorithm is None:
         args.speculative_algorithm = "EAGLE" if given or args.speculative_policy == "auto" else "NONE"
-    elif args.speculative_algorithm.upper() == "NONE" and given:
-        parser.error(f"--{given[0].replace('_', '-')} needs speculation; drop --speculative-algorithm NONE")
     return _spec_from_args(args, parser)
 
 
@@ -211,13 +219,14 @@ def _serve(args) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.port > 65535:
         parser.error(f"--port must be <= 65535, got {args.port}")
-    if args.shutdown_timeout < 0:
-        parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if args.api_key is not None and not args.api_key:
-        parser.error("--api-key is empty")
+    from branchspec.config import check_float
+    from branchspec.serve.app import check_api_key
     from branchspec.serve.server import ConnectionLimits, check_host
 
     try:
+        if check_float(None, "--shutdown-timeout", args.shutdown_timeout) < 0:   # nan and inf as the others
+            parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        check_api_key(args.api_key)
         check_host(args.host, args.api_key, args.allow_unauthenticated)
         need = args.max_running_requests + args.max_queued_requests + 64   # the queue, /health, /metrics
         limits = ConnectionLimits(header_timeout=args.timeout_request_header, body_timeout=args.timeout_request_body,
@@ -234,9 +243,13 @@ def _serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
-              max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device,
-              speculative_token_map=token_map_arg(args.speculative_token_map), cuda_graphs=cuda_graphs_arg(args))
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_running_requests,
+                  max_model_len=args.max_model_len, seed=args.seed, compile=args.compile, device=args.device,
+                  speculative_token_map=token_map_arg(args.speculative_token_map), cuda_graphs=cuda_graphs_arg(args))
+    except ConfigError as e:   # the engine's sizes, named as this command's flags
+        parser.error(str(e).replace("max_batch_size", "--max-running-requests")
+                     .replace("max_model_len", "--max-model-len"))
     if args.compile or llm.engine_config.uses_cuda_graphs:
         # Before the port opens: no request waits for a compilation or a graph capture.
         info = llm.warmup(spec)
@@ -426,9 +439,10 @@ def _draft_vocab(args) -> int:
     from branchspec.speculative.draft_vocab import DRAFT_VOCAB_FILE
     from branchspec.train.draft_vocab import DEFAULT_CHARS, build_draft_vocab
 
-    folder = Path(args.checkpoint)
+    folder = readable_folder("checkpoint", args.checkpoint)
     if not (folder / "tokenizer.json").is_file():
         args.parser.error(f"{folder} has no tokenizer.json: the training text cannot be encoded")
+    out = writable_file("--out", args.out if args.out is not None else folder / DRAFT_VOCAB_FILE)
     model = load_checkpoint(folder, "float32")
     if not 1 <= args.size <= model.cfg.vocab_size:
         args.parser.error(f"--size must be in [1, {model.cfg.vocab_size}], got {args.size}")
@@ -440,8 +454,9 @@ def _draft_vocab(args) -> int:
         args.parser.error(str(e))
     vocab, summary = build_draft_vocab(model, Tokenizer.from_dir(folder), args.size, mbpp_path=args.mbpp_path,
                                        workloads=workloads, progress=True)
-    out = vocab.save(args.out or folder / DRAFT_VOCAB_FILE,
-                     metadata={k: str(v) for k, v in summary.items()} | {"size": str(vocab.size)})
+    if not out.is_dir():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out = vocab.save(out, metadata={k: str(v) for k, v in summary.items()} | {"size": str(vocab.size)})
     print(f"{vocab.size} tokens cover {100 * summary['coverage']:.1f}% of the target's {summary['predictions']} "
           f"predictions on {summary['workloads']}; written to {out}")
     return 0

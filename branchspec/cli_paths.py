@@ -1,6 +1,7 @@
 """The paths a command line names, checked before any work: a folder to read from (it
-exists, is a folder, can be listed) and a folder to write into (it is a folder, or can be
-made one under a writable folder). Each error names the flag and the path."""
+exists, is a folder, can be listed), a folder to write into (it is a folder, or can be
+made one under a writable folder) and a file to write (its folder is one of those). Each
+error names the flag and the path."""
 
 from __future__ import annotations
 
@@ -40,4 +41,24 @@ def writable_folder(flag: str, path, empty: bool = False) -> Path:
             if not os.access(ancestor, os.W_OK | os.X_OK):
                 raise ValueError(f"{flag} {p} cannot be created: {ancestor} is not writable (permission denied)")
             break
+    return p
+
+
+def writable_file(flag: str, path) -> Path:
+    """ValueError unless `path` can be written as a file: a writable file, or a new one in
+    a folder that `writable_folder` accepts (made when the file is written). An existing
+    folder is accepted too, for commands that then write their default file name in it."""
+    p = Path(path)
+    if p.is_dir():
+        return writable_folder(flag, p)
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{flag} {p} is not writable (permission denied)")
+        return p
+    if p.name in ("", ".", ".."):
+        raise ValueError(f"{flag} {p} names no file")
+    try:
+        writable_folder(flag, p.parent)
+    except ValueError as e:
+        raise ValueError(f"{flag} {p} cannot be written: {str(e).removeprefix(f'{flag} ')}") from None
     return p

@@ -301,7 +301,7 @@ def test_a_conversion_that_runs_out_of_disk_leaves_nothing(ckpt, tmp_path, monke
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", filename)
 
-    monkeypatch.setattr(convert_module, "save_file", full_disk)
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
     out = tmp_path / "converted"
     with pytest.raises(OSError, match=r"cannot write .*converted: No space left on device.*nothing was left"):
         convert_module.convert_checkpoint(ckpt, out)
@@ -338,8 +338,6 @@ def test_save_checkpoint_replaces_files_whole(ckpt, model, monkeypatch):
     """A save that fails mid-write leaves the folder's previous files as they were."""
     import errno
 
-    from branchspec.checkpoint import save as save_module
-
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
 
     def full_disk(tensors, filename, metadata=None):
@@ -347,8 +345,158 @@ def test_save_checkpoint_replaces_files_whole(ckpt, model, monkeypatch):
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(save_module, "save_file", full_disk)
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
     with pytest.raises(OSError, match=r"cannot write .*model.safetensors: No space left"):
         save_checkpoint(model, ckpt)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     load_checkpoint(ckpt)
+
+
+# -- sizes config.json claims, checked against the weights before allocating -----------------
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_vocabulary_the_weights_do_not_hold_is_refused_before_allocating(ckpt, loader, monkeypatch):
+    """config.json claims 10**9 tokens over weights of 320 rows: once the model was built
+    at the claimed size first (4 TB: an allocator failure); now the headers' shapes are
+    compared first, and nothing of the model's size is allocated."""
+    from branchspec.model import model as model_module
+
+    _edit_config(ckpt, vocab_size=10**9)
+    built = []
+    real = model_module.Transformer.__init__
+
+    def recording(self, cfg, *args, **kwargs):
+        if not torch.empty(0).is_meta:         # the shapes are read on the meta device: that is free
+            built.append(cfg.vocab_size)
+        return real(self, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.Transformer, "__init__", recording)
+    with pytest.raises(CheckpointError, match=r"does not match its config.json: mis-shaped tensors "
+                                              r".*embed.weight: expected \(1000000000, 32\), found \(320, 32\)"):
+        loader(ckpt)
+    assert built == []
+
+
+def test_a_context_the_memory_cannot_hold_names_max_model_len(ckpt):
+    """config.json's max_position of 10**9 matches any weights, and sizes the page pools
+    of one request beyond any machine: refused naming max_model_len and what fits."""
+    _edit_config(ckpt, max_position=10**9)
+    with pytest.raises(ConfigError, match=r"max_model_len=1000000000 \(the model's max_position\): the page pools "
+                                          r"for 64 requests .* even one request's; use max_model_len <= (\d+)") as e:
+        LLM(ckpt)
+    fits = int(str(e.value).rsplit("max_model_len <= ", 1)[1].split()[0])
+    assert fits > 1000
+    assert LLM(ckpt, max_batch_size=1, max_model_len=min(fits, 4096)).engine.max_len == min(fits, 4096)
+
+
+# -- keys a real checkpoint's config.json must not lose --------------------------------------
+
+@pytest.mark.parametrize("keys", [["yarn_factor"], ["compress_rope_theta", "hc_eps"], ["rope_theta"], ["window"]])
+def test_a_config_missing_a_key_the_model_needs_is_refused_naming_it(tmp_path, keys):
+    """A V4 config.json missing yarn_factor once loaded without YaRN (another model) in
+    silence; every key branchspec writes must be there, the V4 parts' all or none."""
+    from branchspec.config import tiny_v4_config
+
+    folder = save_checkpoint(random_model(tiny_v4_config(), seed=0), tmp_path / "v4")
+    d = json.loads((folder / "config.json").read_text())
+    for k in keys:
+        del d[k]
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=rf"config.json: {', '.join(keys)} (is|are) missing; branchspec writes "
+                                          r"every key"):
+        load_checkpoint(folder)
+
+
+def test_a_plain_model_config_from_before_the_v4_parts_still_loads(ckpt):
+    """A config.json naming none of the V4 parts' keys is a plain model's (they were added
+    together, later): their defaults are that model, so it loads as before."""
+    d = json.loads((ckpt / "config.json").read_text())
+    for k in ModelConfig._V4_KEYS:
+        del d[k]
+    (ckpt / "config.json").write_text(json.dumps(d))
+    assert load_checkpoint(ckpt).cfg == tiny_config(vocab_size=VOCAB)
+    assert ModelConfig.load(DEFAULT_CHECKPOINT).hc_mult == 2      # the embedded checkpoint names them all
+
+
+def test_a_foreign_config_missing_a_setting_is_warned_about_naming_it():
+    """Hugging Face's and DeepSeek's configs take their libraries' defaults, as
+    transformers and DeepSeek's reference do; the defaults taken are named in a warning."""
+    from branchspec.checkpoint.hf_config import hf_config_to_branchspec
+    from branchspec.checkpoint.export import hf_config_from_branchspec
+    from branchspec.config import tiny_v4_config
+
+    d = hf_config_from_branchspec(tiny_v4_config(), dtype=torch.float32)
+    with warnings_as_list() as caught:
+        hf_config_to_branchspec(d)
+    assert caught == []
+    del d["compress_rope_theta"], d["hc_eps"]
+    with pytest.warns(UserWarning, match=r"config.json: not given, so transformers' DeepseekV4Config's defaults "
+                                         r"are taken: compress_rope_theta=160000.0, hc_eps=1e-06"):
+        kw = hf_config_to_branchspec(d)
+    assert kw["compress_rope_theta"] == 160000.0
+
+
+def warnings_as_list():
+    import warnings
+
+    return warnings.catch_warnings(record=True)
+
+
+# -- what convert carries, and a disk that fills -------------------------------------------------
+
+def test_convert_refuses_a_tokenizer_json_that_is_not_json(ckpt, tmp_path, capsys):
+    """Once copied as is (exit 0, and the converted folder then failed to load); now a
+    named error before any work, and nothing written."""
+    from branchspec import cli
+
+    (ckpt / "tokenizer.json").write_text("not json {")
+    assert cli.main(["convert", str(ckpt), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{ckpt / 'tokenizer.json'} is not valid JSON" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", ["branchspec", "hf"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_convert_keeps_the_draft_vocabulary(tmp_path, tok, to, dtype):
+    """Once left out (the converted model drafted over its whole vocabulary); its ids are
+    the same in any dtype, so it is carried over, checked against the model first."""
+    from branchspec import cli
+    from branchspec.config import tiny_v4_config
+    from branchspec.speculative.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
+
+    ckpt = save_checkpoint(random_model(tiny_v4_config(vocab_size=VOCAB), seed=0), tmp_path / "v4")
+    tok.save(ckpt)
+    DraftVocab(torch.tensor([5, 9, 3, 200])).save(ckpt)
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(ckpt), str(out), "--dtype", dtype, "--to", to]) == 0
+    assert DraftVocab.load(out / DRAFT_VOCAB_FILE, VOCAB).token_ids.tolist() == [5, 9, 3, 200]
+    assert LLM(out).draft_vocab.token_ids.tolist() == [5, 9, 3, 200]
+
+
+def test_convert_refuses_a_draft_vocabulary_the_model_cannot_use(ckpt, tmp_path, capsys):
+    from branchspec import cli
+    from branchspec.speculative.draft_vocab import DraftVocab
+
+    DraftVocab(torch.tensor([5, VOCAB + 7])).save(ckpt)
+    assert cli.main(["convert", str(ckpt), str(tmp_path / "out")]) == 2
+    assert "draft_vocab.safetensors: token ids outside the model's vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_onto_a_full_disk_names_the_file(ckpt, tmp_path):
+    """A real write failure, a file-size limit standing in for a full disk (once a raw
+    SafetensorError traceback): exit 2, the error and the file it struck named, nothing
+    left behind."""
+    import subprocess
+    import sys
+
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+              "from branchspec import cli; sys.exit(cli.main(['convert', sys.argv[1], sys.argv[2]]))")
+    out = tmp_path / "converted"
+    run = subprocess.run([sys.executable, "-c", script, str(ckpt), str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert f"cannot write {out}: File too large ({out / 'model.safetensors'}); nothing was left there" in run.stderr
+    assert "Traceback" not in run.stderr and "SafetensorError" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

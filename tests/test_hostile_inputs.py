@@ -136,6 +136,19 @@ BAD_SAMPLING = [
     pytest.param(dict(stop=5), TypeError, "stop", id="stop-int"),
     pytest.param(dict(stop=[""]), ValueError, r"stop\[0\]", id="stop-empty"),
     pytest.param(dict(ignore_eos="yes"), TypeError, "ignore_eos", id="ignore-eos-str"),
+    # arrays where one number belongs: once float()'s own error, naming no field
+    pytest.param(dict(temperature=torch.tensor([0.5, 0.7])), TypeError,
+                 r"SamplingParams.temperature must be a number, got Tensor of shape \(2,\)", id="temperature-tensor"),
+    pytest.param(dict(top_p=np.array([0.5, 0.9])), TypeError, r"SamplingParams.top_p must be a number, got ndarray",
+                 id="top-p-array"),
+    pytest.param(dict(top_k=torch.tensor([3, 4])), TypeError, r"SamplingParams.top_k must be an integer",
+                 id="top-k-tensor"),
+    pytest.param(dict(max_tokens=np.array([3, 4])), TypeError, r"SamplingParams.max_tokens must be an integer",
+                 id="max-tokens-array"),
+    # n = 10**12 (a typo for 12) never started and grew without bound; the server's limit, vLLM's
+    pytest.param(dict(n=10**12), ValueError, r"SamplingParams.n must be <= 16384, got 1000000000000", id="n-huge"),
+    pytest.param(dict(logit_bias=[(5, 1.0), (5, -2.0)]), ValueError,
+                 r"SamplingParams.logit_bias gives token 5 twice \(biases 1 and -2\)", id="logit-bias-twice"),
 ]
 
 
@@ -167,6 +180,53 @@ def test_topk_beyond_vocabulary(llm, still_serves):
 @pytest.mark.parametrize("spec", [{"num_steps": 3}, (3, 2, 6), "tree", 6])
 def test_spec_of_wrong_type(llm, still_serves, spec):
     refused(TypeError, "spec must be a SpecConfig", lambda: llm.generate(NORMAL, normal_params(), spec=spec))
+
+
+def test_one_element_arrays_and_scalars_are_numbers():
+    p = SamplingParams(temperature=torch.tensor(0.5), top_p=np.float32(0.75), top_k=np.int64(3), n=torch.tensor(2))
+    assert (p.temperature, p.top_p, p.top_k, p.n) == (0.5, 0.75, 3, 2)
+
+
+@pytest.mark.parametrize("candidates, kwargs, error, match", [
+    (5, {}, TypeError, r"SpecConfig.auto: candidates must be a list of SpecConfig or None .*got int 5"),
+    (TREE, {}, TypeError, r"candidates must be a list .*got SpecConfig.*wrap a single configuration in a list"),
+    ("tree", {}, TypeError, r"candidates must be a list"),
+    ([None, TREE], dict(max_draft_tokens=999, selection="bogus"), ValueError,
+     r"SpecConfig.auto: max_draft_tokens=999 shapes the default candidates only, and candidates are given"),
+    ([None, TREE], dict(selection="eagle2"), ValueError, r"selection='eagle2' shapes the default candidates only"),
+    (None, dict(max_draft_tokens=999), ValueError, r"SpecConfig.auto.max_draft_tokens must be <= 16"),
+    (None, dict(selection="bogus"), ValueError, r"selection='bogus' is not one of"),
+])
+def test_auto_refuses_what_it_would_ignore_or_not_understand(candidates, kwargs, error, match):
+    refused(error, match, lambda: SpecConfig.auto(candidates, **kwargs))
+
+
+@pytest.mark.parametrize("selection", ["calibrated", "eagle2"])
+def test_auto_takes_every_budget_the_flag_allows(selection):
+    """From D = 13 on the deep (D-1)x2 tree had 8,190 nodes to weigh, past the policy's
+    4,096: `--speculative-num-draft-tokens 13` with the auto policy was refused about a
+    candidate the user never gave. The deep shape stops at 11 steps."""
+    from branchspec.config import AutoPolicy, fast_path_candidates
+
+    for top in range(2, 17):
+        auto = SpecConfig.auto(max_draft_tokens=top, selection=selection)
+        assert auto.max_draft_tokens == top
+        assert all(sum(c.topk ** d for d in range(1, c.num_steps + 1)) <= AutoPolicy.MAX_PATHS
+                   for c in auto.speculative)
+        SpecConfig.auto(fast_path_candidates(top, selection))
+    if selection == "calibrated":
+        deep = [c for c in SpecConfig.auto(max_draft_tokens=16).speculative if c.topk == 2 and c.num_steps > 4]
+        assert max(c.num_steps for c in deep) == 11 and SpecConfig(11, 2, 16, "calibrated") in deep
+
+
+def test_cli_auto_policy_at_every_budget_the_flag_allows(monkeypatch):
+    from branchspec.cli import _spec_from_args, build_parser
+
+    parser = build_parser()
+    for top in (13, 16):
+        args = parser.parse_args(["generate", "hi", "--speculative-policy", "auto",
+                                  "--speculative-num-draft-tokens", str(top)])
+        assert _spec_from_args(args, parser).max_draft_tokens == top
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -271,16 +331,37 @@ def test_role_markers_in_content_stay_text(llm, still_serves):
       "--speculative-num-draft-tokens", "3"], "topk <= 2"),
     (["generate", "hi", "--device", "npu7"], "not a device name"),
     (["bench", "--quick", "--device", "meta"], "only 'cpu' and 'cuda'"),
+    (["bench", "--quick", "--temperature", "inf"], "temperature must be a finite number"),
+    # flags that shape drafting, beside plain decoding: refused as serve refuses them
+    (["generate", "hi", "--speculative-algorithm", "NONE", "--speculative-eagle-topk", "4",
+      "--speculative-num-steps", "9"], "--speculative-num-steps needs speculation; drop --speculative-algorithm NONE"),
+    (["generate", "hi", "--speculative-algorithm", "none", "--speculative-num-draft-tokens", "4"],
+     "--speculative-num-draft-tokens needs speculation"),
+    (["generate", "hi", "--speculative-algorithm", "NONE", "--speculative-token-map", "map.safetensors"],
+     "--speculative-token-map needs speculation"),
+    (["serve", "--speculative-algorithm", "NONE", "--speculative-eagle-topk", "2"],
+     "--speculative-eagle-topk needs speculation"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number, got nan"),
+    (["serve", "--shutdown-timeout", "inf"], "--shutdown-timeout must be a finite number, got inf"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    (["train", "--out", "{tmp}/run", "--mtp-weight", "nan"], "mtp_weight must be a finite number, got nan"),
+    (["train", "--out", "{tmp}/run", "--lr", "inf"], "lr must be a finite number, got inf"),
 ])
-def test_cli_rejects_bad_input(ckpt, capsys, argv, match):
-    argv = [*argv, "--model", str(ckpt)]
+def test_cli_rejects_bad_input(ckpt, capsys, argv, match, tmp_path):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if argv[0] != "train":      # train's --model is a preset
+        argv = [*argv, "--model", str(ckpt)]
+    _cli_refuses(argv, match, capsys)
+
+
+def _cli_refuses(argv, match, capsys):
     try:
         rc = cli.main(argv)
-    except SystemExit as e:    # argparse-style errors
+    except SystemExit as e:
         rc = e.code
     assert rc == 2
     err = capsys.readouterr().err
-    assert match in err and "Traceback" not in err
+    assert match in err and "Traceback" not in err, err
 
 
 def test_cli_missing_model(tmp_path, capsys):
@@ -490,6 +571,51 @@ def test_round_memory_bound_suggests_what_fits():
     check_round_memory(SpecConfig(5, 8, 64), cfg, None)                 # unknown memory: not checked
 
 
+def test_page_pools_that_cannot_fit_are_refused_naming_the_knob(ckpt, monkeypatch, capsys):
+    """max_batch_size=100000 sized the pools with no look at the memory (an allocator
+    failure of 9.8 GB); now refused before allocating, naming the knob (the serve flag
+    for serve) and the largest value that fits, and that value builds."""
+    from branchspec.config import ConfigError
+    from branchspec.engine import engine as engine_module
+    from branchspec.speculative.footprint import pool_bytes
+
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 64 << 20)
+    with pytest.raises(ConfigError, match=r"max_batch_size=100000: the page pools for 100000 requests of up to 128 "
+                                          r"tokens would take .* GiB, more than the 51 MiB they may take of the 64 MiB "
+                                          r"free on cpu; use max_batch_size <= (\d+)") as e:
+        LLM(ckpt, max_batch_size=100_000, max_model_len=128)
+    fits = int(re.search(r"max_batch_size <= (\d+)", str(e.value)).group(1))
+    llm = LLM(ckpt, max_batch_size=fits, max_model_len=128)
+    stored = sum(t.numel() * t.element_size() for t in llm.engine.cache.storage.values())
+    assert stored <= sum(pool_bytes(llm.config, fits, 128, 16, 4).values()) <= 0.8 * (64 << 20)
+    refused(ConfigError, r"max_batch_size=\d+", lambda: LLM(ckpt, max_batch_size=fits + 1, max_model_len=128))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", str(ckpt), "--max-running-requests", "100000", "--max-model-len", "128"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert re.search(r"--max-running-requests=100000: the page pools .* use --max-running-requests <= \d+ \(or a "
+                     r"smaller --max-model-len\)", err), err
+
+
+def test_an_address_space_limit_counts_as_the_memory_there_is(tmp_path):
+    """The issue's probe: under a 6 GB address-space cap (a smaller machine), LLM with
+    max_batch_size=100000 is a ConfigError naming the knob, not DefaultCPUAllocator's
+    traceback; the cap is part of the free memory the check reads."""
+    import subprocess
+    import sys
+
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+              "from branchspec import LLM\n"
+              "from branchspec.speculative.footprint import available_memory\n"
+              "import torch\n"
+              "assert available_memory(torch.device('cpu')) < 6 << 30\n"
+              "try:\n    LLM(max_batch_size=100000)\nexcept ValueError as e:\n    print(type(e).__name__, e)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert re.match(r"ConfigError max_batch_size=100000: the page pools for 100000 requests of up to 2048 tokens "
+                    r"would take 85.4 GiB, more than .* use max_batch_size <= \d+", run.stdout), run.stdout
+
+
 @pytest.mark.parametrize("candidate, match", [
     (SpecConfig.chain(18), r"candidates\[1\] \(chain D=18\) drafts 17 steps deep.*num_steps <= 16"),
     (SpecConfig(num_steps=13, topk=4, num_draft_tokens=14), r"candidates\[1\] \(tree 13x4 D=14\) could verify "
@@ -541,3 +667,47 @@ def test_cli_paths_are_checked_before_any_work(ckpt, tmp_path, capsys, argv, mat
     assert rc == 2, err
     assert re.search(match, err) and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before and f.read_text() == "x"
+
+
+@pytest.mark.parametrize("out, match", [
+    ("{file}/m.safetensors", r"--out .*a-file/m.safetensors cannot be written: .*a-file is a file, not a folder"),
+    ("{tmp}", None),
+    ("{tmp}/new/dir/m.safetensors", None),
+])
+def test_draft_vocab_checks_its_output_before_any_work(ckpt, tmp_path, capsys, monkeypatch, out, match):
+    """--out under a file once built for minutes and failed only when saving: checked
+    first now; a folder, or a file in folders yet to be made, is fine."""
+    import branchspec.checkpoint
+
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    monkeypatch.setattr(branchspec.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("work began"))
+    argv = ["draft-vocab", str(ckpt), "--out", out.format(file=f, tmp=tmp_path)]
+    if match is None:       # accepted: the work begins
+        with pytest.raises(pytest.fail.Exception, match="work began"):
+            cli.main(argv)
+        return
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(match, err) and "Traceback" not in err, err
+    assert f.read_text() == "x"
+
+
+def test_bench_report_only_names_the_corrupt_file_and_line(tmp_path, capsys):
+    """A results.jsonl cut mid-line once gave json's "Expecting ..." and nothing else."""
+    from branchspec.bench.cli import build_parser, main
+
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"workload": "gsm8k"\n')
+    assert main(build_parser().parse_args(["--report-only", str(tmp_path)])) == 2
+    err = capsys.readouterr().err
+    assert f"{path}, line 1: not a cell of a results file (JSONDecodeError: Expecting" in err
+    path.write_text("\n[1, 2]\n")
+    assert main(build_parser().parse_args(["--report-only", str(tmp_path)])) == 2
+    assert f"{path}, line 2: not a cell of a results file (TypeError" in capsys.readouterr().err
+    path.write_bytes(b"\xff\xfe")
+    assert main(build_parser().parse_args(["--report-only", str(tmp_path)])) == 2
+    assert f"{path} is not UTF-8 text" in capsys.readouterr().err

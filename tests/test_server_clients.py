@@ -185,6 +185,49 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, offline):
     assert streamed == r3.choices[0].logprobs.token_logprobs
 
 
+def _offsets_point_at_their_tokens(text: str, lp: dict, skip: set[int] = frozenset()) -> None:
+    """Every text_offset is within the text, in order, and the text at it starts with its
+    token's text (but for tokens the text does not spell, `skip`, and parts of a
+    character, shown as U+FFFD)."""
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+    for i, (token, o) in enumerate(zip(lp["tokens"], offsets)):
+        if i not in skip and "\ufffd" not in token and o < len(text):
+            assert text.startswith(token, o), (i, token, o, text[o:o + 20])
+
+
+@pytest.mark.parametrize("prompt", ["<|user|>hi there", "naïve café<|assistant|> — 你好<|end|>fox"])
+def test_text_offset_points_at_each_token(server, offline, prompt):
+    """Echoed special-token text takes its room in the echoed text (once its offsets ran
+    short by the marker's length), a generated special token its room under
+    skip_special_tokens false, none when skipped; a character split over tokens is one;
+    streamed offsets equal the whole answer's."""
+    tok = offline.tokenizer
+    special = tok.token_to_id("<|user|>")
+    for skip in (True, False):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 1, "temperature": 0,
+                "skip_special_tokens": skip, "logit_bias": {str(special): 100}, "ignore_eos": True}
+        status, _, payload = raw(server, "POST", "/v1/completions", body)
+        assert status == 200, payload
+        choice = payload["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["token_ids"] == [special] * 4
+        assert choice["text"] == prompt + ("" if skip else "<|user|>" * 4)
+        _offsets_point_at_their_tokens(choice["text"], lp, skip={0})          # 0: the BOS the server added
+        n = len(lp["tokens"]) - 4
+        assert lp["text_offset"][n:] == ([len(prompt)] * 4 if skip else [len(prompt) + 8 * j for j in range(4)])
+        chunks = events(server, "/v1/completions", body)
+        streamed = [o for e in chunks for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert streamed == lp["text_offset"]
+    # token-id prompts echo their text decoded, special tokens skipped: those take no room
+    ids = offline.encode(prompt)
+    status, _, payload = raw(server, "POST", "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 0,
+                                                                 "echo": True, "logprobs": 0})
+    choice = payload["choices"][0]
+    specials = {i for i, t in enumerate(ids) if t in tok.special_token_ids}
+    _offsets_point_at_their_tokens(choice["text"], choice["logprobs"], skip=specials)
+
+
 def test_vllm_prompt_logprobs(server, offline):
     prompt = PROMPTS[0]
     want = offline.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]

@@ -7,6 +7,8 @@ normal request exactly as offline, with no page held.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -283,3 +285,155 @@ def test_a_value_error_while_encoding_is_a_400(server, still_serves):
 def test_a_served_llm_refuses_offline_calls(server, still_serves):
     with pytest.raises(RuntimeError, match=r"busy with serving"):
         server.state.llm.generate(PROMPTS[0], greedy())
+
+
+# -- one huge request -------------------------------------------------------------------------
+
+HEALTH_BOUND = 0.5      # seconds; a tokenizer holding the GIL held /health for 3-9 s
+BIG_TEXT = ("The quick brown fox jumps over the lazy dog. naïve café — 你好 " * 60000)[:3_000_000]
+
+
+def _post_bytes(srv, path: str, body: dict) -> tuple[int, bytes]:
+    """A POST whose (large) answer is read but not parsed, so the caller times only the
+    server's work."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _health_beside(srv, path: str, body: dict) -> tuple[float, int, bytes]:
+    """Send `body` to `path` and, until it is answered, GET /health again and again: the
+    longest wait between one answered probe and the next (a probe's own latency and any
+    stall of this process, whose GIL the server's threads share), the status and the answer."""
+    result: dict = {}
+    sender = threading.Thread(target=lambda: result.update(answer=_post_bytes(srv, path, body)))
+    last = time.monotonic()
+    worst = 0.0
+    sender.start()
+    while sender.is_alive():
+        assert raw(srv, "GET", "/health", timeout=30)[0] == 200
+        now = time.monotonic()
+        worst, last = max(worst, now - last), now
+        time.sleep(0.005)
+    sender.join()
+    return worst, *result["answer"]
+
+
+@pytest.mark.parametrize("path, body, bounded", [
+    ("/tokenize", {"prompt": BIG_TEXT}, True),
+    ("/v1/completions", {"prompt": BIG_TEXT, "max_tokens": 4}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_TEXT}], "max_tokens": 4}, True),
+    ("/v1/completions", {"prompt": BIG_TEXT, "max_tokens": 4}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_TEXT}], "max_tokens": 4}, False),
+    ("/detokenize", {"tokens": list(range(10, 250)) * 4000}, True),
+], ids=["tokenize", "completions", "chat", "completions-tokenized", "chat-tokenized", "detokenize"])
+def test_a_prompt_of_megabytes_does_not_stall_health(server, offline, still_serves, path, body, bounded):
+    """A 3 MB prompt, or a million ids to detokenize (once: /health held 1-9 s while HF
+    tokenizers' encode or decode kept the GIL).
+    Completions and chat refuse it by its length in characters before tokenizing (more
+    than max_model_len tokens of this tokenizer can spell); with that bound off, and on
+    /tokenize (which counts any prompt, as vLLM's does), it is tokenized without holding
+    the GIL and /tokenize's millions of ids are written a chunk at a time. /health answers
+    throughout within a few hundred ms (measured: 10-60 ms on 2 cores, when no other
+    process takes them). A stall the server causes recurs on every try; a burst of another
+    process on shared cores does not, so a slow first try is repeated once."""
+    info = server.state.info
+    bound = info.max_prompt_chars
+    if not bounded:
+        info.max_prompt_chars = None
+    try:
+        for _ in range(2):
+            worst, status, answer = _health_beside(server, path, {"model": "tiny", **body})
+            print(f"\n{path} ({'bounded' if bounded else 'tokenized'}): /health worst {worst * 1e3:.0f} ms")
+            if worst < HEALTH_BOUND:
+                break
+    finally:
+        info.max_prompt_chars = bound
+    payload = json.loads(answer)
+    if path == "/tokenize":
+        assert status == 200 and payload["count"] == len(payload["tokens"]) > 1_000_000
+        assert payload["tokens"][:40] == offline.encode(BIG_TEXT[:400])[:40]
+    elif path == "/detokenize":
+        assert status == 200 and payload["prompt"].startswith(offline.tokenizer.decode(list(range(10, 250))))
+    else:
+        assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+        assert payload["error"]["param"] == ("prompt" if "prompt" in body else "messages")
+        assert ("characters" in payload["error"]["message"]) is bounded
+    assert worst < HEALTH_BOUND, f"/health waited {worst:.2f} s beside a 3 MB {path}"
+
+
+# -- inputs that were accepted and then ignored ------------------------------------------------
+
+@pytest.mark.parametrize("path, body, param, match", [
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"0408": 1, "408": -1}}, "logit_bias",
+     r"logit_bias gives token 408 twice \(keys '0408' and '408'\)"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"5": 1, "5": -1}}', None,
+     r"the request body gives the key '5' twice in one object"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": 0, "temperature": 1}', None,
+     r"gives the key 'temperature' twice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+                              "max_tokens": -3}, "max_tokens", r"max_tokens must be >= 1, got -3"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+                              "max_tokens": "x"}, "max_tokens", r"max_tokens must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+                              "max_tokens": 9}, "max_tokens",
+     r"max_tokens \(9\) and max_completion_tokens \(4\) disagree"),
+    ("/v1/completions", {"prompt": "hi", "n": 10**12}, "n", r"n must be <= 16384"),
+])
+def test_values_that_one_would_silently_override_are_refused(server, still_serves, path, body, param, match):
+    if isinstance(body, dict):
+        body = {"model": "tiny", "max_tokens": 4, **body} if "max_completion_tokens" not in body else \
+            {"model": "tiny", **body}
+    status, _, payload = raw(server, "POST", path, body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and re.search(match, payload["error"]["message"]), payload
+
+
+def test_chat_takes_max_tokens_beside_an_equal_max_completion_tokens(server, still_serves):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
+            "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    status, _, payload = raw(server, "POST", "/v1/chat/completions", body)
+    assert status == 200 and payload["usage"]["completion_tokens"] == 3
+
+
+# -- API keys no client can send ----------------------------------------------------------------
+
+@pytest.mark.parametrize("key, match", [
+    (" padded ", r"--api-key ' padded ' starts or ends with whitespace"),
+    ("key\t", r"starts or ends with whitespace"),
+    ("clé", r"--api-key holds a non-ASCII character \('é' at position 2\)"),
+    ("ab\ncd", r"--api-key holds a control character \('\\n' at position 2\)"),
+    ("ab\x7fcd", r"a control character"),
+    ("", r"--api-key is empty"),
+])
+def test_api_keys_no_client_can_send_are_refused_at_start(ckpt, capsys, monkeypatch, key, match):
+    """Once accepted, after which every request got 401 (and a non-ASCII key matched
+    only its latin-1 bytes): refused before the model loads, and by ServerState too."""
+    import branchspec.llm
+    from branchspec.serve.app import check_api_key
+
+    with pytest.raises(ConfigError, match=match):
+        check_api_key(key)
+    monkeypatch.setattr(branchspec.llm, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model", str(ckpt), "--api-key", key])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(match, err) and "Traceback" not in err, err
+
+
+def test_server_state_refuses_an_unsendable_key(offline):
+    with pytest.raises(ConfigError, match=r"--api-key holds a control character"):
+        ServerState(offline, None, api_key="a\rb")
+
+
+@pytest.mark.parametrize("key", ["k", "sk-proj_ABC.123~!", "two words", "\"quoted\""])
+def test_printable_ascii_keys_are_taken(key):
+    from branchspec.serve.app import check_api_key
+
+    assert check_api_key(key) == key

@@ -20,7 +20,7 @@ import torch
 from branchspec.bench.analysis import SELECTION_FINALIST_ROLES
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, TreeShape, calibrated_specs_at_budget, shape_label, specs_at_budget
 from branchspec.bench.metrics import FIXED_KINDS, CellResult, measure_cell
-from branchspec.config import SamplingParams, SpecConfig, check_device, fast_path_candidates, spec_label
+from branchspec.config import SamplingParams, SpecConfig, check_device, check_float, fast_path_candidates, spec_label
 from branchspec.config.sampling_params import MAX_SEED
 from branchspec.speculative.draft_vocab import token_map_arg
 from branchspec.data.workloads import MBPP_ENV_VAR, MBPP_HUB_NAME, WORKLOADS, MbppUnavailable, load_workload
@@ -154,6 +154,7 @@ class StudyConfig:
             raise ValueError(f"num_prompts must be an integer >= 1, got {self.num_prompts!r}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        check_float("StudyConfig", "temperature", self.temperature)   # inf would fail only mid-run
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
@@ -512,7 +513,19 @@ def report_from_results(out_dir: str | Path) -> tuple[list[CellResult], list, di
     path = out_dir / "results.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no results.jsonl in {out_dir}")
-    cells = [CellResult.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); is it a results.jsonl?") from None
+    cells = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            cells.append(CellResult.from_dict(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:   # not JSON, or not a cell's fields
+            raise ValueError(f"{path}, line {number}: not a cell of a results file ({type(e).__name__}: "
+                             f"{str(e)[:200]}); remove or repair that line and run --report-only again") from None
     if not cells:
         raise ValueError(f"{path} has no cells")
     wall = sum(c.wall_seconds for c in cells)

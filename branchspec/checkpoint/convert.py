@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from branchspec.atomic import save_safetensors
 from branchspec.checkpoint.export import write_hf_folder
-from branchspec.checkpoint.folder import WEIGHTS_FILE, check_new_folder, copy_tokenizer_files, new_folder
+from branchspec.checkpoint.folder import (WEIGHTS_FILE, check_carried_files, check_new_folder, copy_tokenizer_files,
+                                          new_folder)
 from branchspec.checkpoint.load import checkpoint_stop_ids, load_checkpoint, open_checkpoint
 from branchspec.config import read_config_json
 from branchspec.model.dtypes import resolve_dtype
@@ -43,10 +44,7 @@ def _write_foreign_tokenizer_config(src: Path, out: Path) -> None:
         return
     from branchspec.data.tokenizer import ForeignTokenizer, Tokenizer
 
-    try:
-        tok = Tokenizer.from_dir(src)
-    except ValueError:
-        return   # copied as is; loading the converted folder reports the problem
+    tok = Tokenizer.from_dir(src)     # loads: check_carried_files has read it
     if isinstance(tok, ForeignTokenizer):
         tok.save(out)
 
@@ -55,8 +53,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, dtype: str | torch.dtyp
     """Write ``src`` (any supported format) as a branchspec folder at ``out``.
 
     ``out`` gets config.json, model.safetensors (floats in ``dtype``) and the tokenizer
-    files present in ``src``. ``out`` must not exist or be an empty folder. Nothing is
-    left at ``out`` if the conversion fails.
+    files and draft vocabulary present in ``src`` (each checked to load first). ``out``
+    must not exist or be an empty folder. Nothing is left at ``out`` if the conversion
+    fails (a full disk is an OSError naming it).
     """
     target = resolve_dtype(dtype)
     src, out = Path(src), Path(out)
@@ -67,6 +66,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, dtype: str | torch.dtyp
     check_new_folder(out)
     ckpt = open_checkpoint(src)
     try:
+        check_carried_files(src, ckpt.config.vocab_size)
         tensors = ckpt.tensors(dtype=target)
     finally:
         ckpt.close()
@@ -75,7 +75,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, dtype: str | torch.dtyp
         meta = {"format": "pt", "converted_from": json.dumps(ckpt.format)}
         if ckpt.extras.extra_stop_ids:
             meta["extra_stop_ids"] = json.dumps(list(ckpt.extras.extra_stop_ids))
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        save_safetensors(tensors, tmp / WEIGHTS_FILE, meta)
         copy_tokenizer_files(src, tmp)
         _write_foreign_tokenizer_config(src, tmp)
         if ckpt.extras.extra_stop_ids:
@@ -103,5 +103,6 @@ def export_hf_folder(src: str | Path, out: str | Path, dtype: str | torch.dtype 
     src = Path(src)
     read_config_json(src)                    # FileNotFoundError / ConfigError naming the folder
     model = load_checkpoint(src, dtype)
+    check_carried_files(src, model.cfg.vocab_size)
     stop_ids = _source_stop_ids(src)
     return write_hf_folder(model, Path(out), dtype, stop_ids[1:], src)

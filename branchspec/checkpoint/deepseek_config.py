@@ -66,7 +66,9 @@ def read_deepseek_config(d: dict, source: str = "config.json",
     ids, extra = read_token_ids(f)
     kw.update(ids)
     fp4 = d.get("expert_dtype") == "fp4"
-    return checked_kwargs(f, kw, _DS_ORIGIN), ConfigExtras(extra, False, (FP8_BLOCK, FP8_BLOCK), fp4)
+    kw = checked_kwargs(f, kw, _DS_ORIGIN)
+    f.warn_defaults("DeepSeek's ModelArgs")
+    return kw, ConfigExtras(extra, False, (FP8_BLOCK, FP8_BLOCK), fp4)
 
 
 def deepseek_config_to_branchspec(d: dict, *, source: str = "config.json",

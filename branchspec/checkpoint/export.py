@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from safetensors.torch import save_file
-
-from branchspec.checkpoint.folder import (HF_MODEL_TYPE, TOKENIZER_FILES, WEIGHTS_FILE, check_new_folder,
+from branchspec.atomic import save_safetensors
+from branchspec.checkpoint.folder import (CARRIED_FILES, HF_MODEL_TYPE, WEIGHTS_FILE, check_new_folder,
                                           copy_tokenizer_files, new_folder)
 from branchspec.checkpoint.hf_config import HF_LAYER_TYPES
 from branchspec.checkpoint.names import plan_names
@@ -315,7 +314,8 @@ def _generation_config(hf_config: dict) -> dict:
 
 def write_hf_folder(model: Transformer, out: Path, dtype: torch.dtype | None, extra_stop_ids: Sequence[int],
                     copy_from: Path | None) -> Path:
-    """``export_hf``'s folder, with ``copy_from``'s tokenizer files beside it (None: none)."""
+    """``export_hf``'s folder, with ``copy_from``'s tokenizer files and draft vocabulary
+    beside it (None: none)."""
     target = resolve_dtype(dtype) if dtype is not None else None   # fail before writing anything
     check_new_folder(out)
     hf_config = hf_config_from_branchspec(model.cfg, dtype=target or model.embed.weight.dtype,
@@ -326,9 +326,9 @@ def write_hf_folder(model: Transformer, out: Path, dtype: torch.dtype | None, ex
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n",
                                                     encoding="utf-8")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
         if copy_from is not None:
-            copy_tokenizer_files(copy_from, tmp, [n for n in TOKENIZER_FILES if n != "generation_config.json"])
+            copy_tokenizer_files(copy_from, tmp, [n for n in CARRIED_FILES if n != "generation_config.json"])
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 
 from branchspec import atomic
 from branchspec.config import ConfigError, read_config_json
+from branchspec.speculative.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab
 
 FORMAT_BRANCHSPEC = "branchspec"
 FORMAT_HF = "huggingface"
@@ -26,6 +27,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # defaults, whose eos list the foreign tokenizer reads).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
+# ... and the reduced draft vocabulary (token ids, the same in any dtype): without it the
+# converted model would draft over its whole vocabulary.
+CARRIED_FILES = (*TOKENIZER_FILES, DRAFT_VOCAB_FILE)
 
 
 class CheckpointError(ValueError):
@@ -162,7 +166,7 @@ class SafetensorsFolder(Mapping):
                 if not (folder / shard).is_file():
                     raise FileNotFoundError(f"{index} names the shard {shard}, which is not in {folder}")
             return cls([folder / s for s in shards], weight_map, where=index)
-        found = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+        found = sorted(p for p in folder.glob("*.safetensors") if p.is_file() and p.name != DRAFT_VOCAB_FILE)
         if not found:
             raise FileNotFoundError(f"no {WEIGHTS_FILE} (nor {INDEX_FILE}, nor any *.safetensors) in {folder}")
         return cls(found)
@@ -214,11 +218,24 @@ def new_folder(out: Path):
     return atomic.new_folder(out, refuse=check_new_folder)
 
 
-def copy_tokenizer_files(src: Path, out: Path, names: Iterable[str] = TOKENIZER_FILES) -> None:
-    """Copy the tokenizer files of ``src`` into ``out``. A branchspec tokenizer is written
-    anew (``Tokenizer.save``), so a folder from before the current layout gets the Jinja
-    ``chat_template`` and BOS post-processor that other tools read; a foreign one, or one
-    that does not load, is copied as it is (loading the new folder reports a problem)."""
+def check_carried_files(src: Path, vocab_size: int) -> None:
+    """What ``convert`` carries over beside the weights must load, checked before any work:
+    a tokenizer.json that is not JSON or not a tokenizers file, a tokenizer_config.json
+    that is not JSON, or a draft vocabulary with ids the model lacks is a ValueError naming
+    the file, not a copy that only the converted folder's first load would report."""
+    if (src / "tokenizer.json").is_file():
+        from branchspec.data.tokenizer import Tokenizer
+
+        Tokenizer.from_dir(src)
+    if (src / DRAFT_VOCAB_FILE).is_file():
+        DraftVocab.load(src / DRAFT_VOCAB_FILE, vocab_size)
+
+
+def copy_tokenizer_files(src: Path, out: Path, names: Iterable[str] = CARRIED_FILES) -> None:
+    """Copy the tokenizer files (and the draft vocabulary) of ``src`` into ``out``. A
+    branchspec tokenizer is written anew (``Tokenizer.save``), so a folder from before the
+    current layout gets the Jinja ``chat_template`` and BOS post-processor that other tools
+    read; a foreign one is copied as it is (``check_carried_files`` has loaded both)."""
     for name in names:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
@@ -226,9 +243,6 @@ def copy_tokenizer_files(src: Path, out: Path, names: Iterable[str] = TOKENIZER_
         return
     from branchspec.data.tokenizer import ForeignTokenizer, Tokenizer
 
-    try:
-        tok = Tokenizer.from_dir(src)
-    except ValueError:
-        return
+    tok = Tokenizer.from_dir(src)
     if not isinstance(tok, ForeignTokenizer):
         tok.save(out)

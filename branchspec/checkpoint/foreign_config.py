@@ -14,11 +14,18 @@ from branchspec.config import ConfigError, ModelConfig, check_float, check_int
 _MISSING = object()
 
 
+# Defaults taken for these go unsaid: ids that name tokens, and the MTP count, which the
+# weights settle (`read_num_mtp_layers`); neither changes the arithmetic.
+_QUIET_DEFAULTS = ("bos_token_id", "eos_token_id", "pad_token_id", "num_nextn_predict_layers", "n_mtp_layers")
+
+
 class Fields:
-    """Typed reads of a foreign config dict; every error names the file and the key."""
+    """Typed reads of a foreign config dict; every error names the file and the key. The
+    keys read with a default that were absent are kept (`defaulted`), for `warn_defaults`."""
 
     def __init__(self, d: dict, source: str):
         self.d, self.source = d, source
+        self.defaulted: dict[str, object] = {}
 
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"{self.source}: {message}")
@@ -28,7 +35,19 @@ class Fields:
             return self.d[key]
         if default is _MISSING:
             raise self.error(f"{key} is missing; branchspec needs it to build the model")
+        if key not in _QUIET_DEFAULTS:
+            self.defaulted[key] = default
         return default
+
+    def warn_defaults(self, who: str) -> None:
+        """One warning naming every setting the config left out and the default taken
+        for it: what `who` (transformers, DeepSeek's reference) would take too, but a real
+        checkpoint whose config lost a key would otherwise compute another model unsaid."""
+        if self.defaulted:
+            import warnings
+
+            taken = ", ".join(f"{k}={v!r}" for k, v in self.defaulted.items())
+            warnings.warn(f"{self.source}: not given, so {who}'s defaults are taken: {taken}", stacklevel=3)
 
     def int(self, key: str, default=_MISSING) -> int:
         try:

@@ -199,7 +199,9 @@ def read_hf_config(d: dict, source: str = "config.json",
     kw.update(ids)
     tie = f.bool("tie_word_embeddings", False)
     block, fp4 = _hf_quantization(f)
-    return checked_kwargs(f, kw, _HF_ORIGIN), ConfigExtras(extra, tie, block, fp4)
+    kw = checked_kwargs(f, kw, _HF_ORIGIN)
+    f.warn_defaults("transformers' DeepseekV4Config")
+    return kw, ConfigExtras(extra, tie, block, fp4)
 
 
 def _hf_quantization(f: Fields) -> tuple[tuple[int, int], bool]:

@@ -243,11 +243,12 @@ def load_checkpoint(folder: str | Path, dtype: str | torch.dtype = "float32", *,
     target = resolve_dtype(dtype)
     ckpt = open_checkpoint(Path(folder))
     try:
-        model = Transformer(ckpt.config, expert_dispatch=expert_dispatch)
-        expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-        tensors = ckpt.tensors(expected, dtype=target)
+        # The weights' shapes (from the headers) are checked against config.json's before
+        # the model is allocated: a config.json claiming a vocabulary of 10**9 over weights
+        # of 8,192 rows is a named mismatch, not an allocator failure.
+        tensors = ckpt.tensors(expected_tensors(ckpt.config, target), dtype=target)
     finally:
         ckpt.close()
-    model = model.to(target)
+    model = Transformer(ckpt.config, expert_dispatch=expert_dispatch).to(target)
     model.load_state_dict(tensors)
     return model.eval()

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from branchspec.atomic import write_atomically, write_text
+from branchspec.atomic import save_safetensors, write_atomically, write_text
 from branchspec.model.dtypes import resolve_dtype
 from branchspec.model.model import Transformer
 
@@ -30,7 +29,7 @@ def save_checkpoint(model: Transformer, folder: str | Path, dtype: str | torch.d
                for k, v in model.state_dict().items()}
     meta = {"format": "pt", **{k: json.dumps(v) for k, v in (metadata or {}).items()}}
     # The weights first: a folder whose config.json is new always has the weights it describes.
-    write_atomically(folder / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    write_atomically(folder / "model.safetensors", lambda tmp: save_safetensors(tensors, tmp, meta))
     write_text(folder / "config.json", json.dumps(model.cfg.to_dict(), indent=2) + "\n")
     return folder
 

@@ -41,7 +41,10 @@ def check_int(owner: str | None, name: str, value, minimum: int | None = None, m
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         hint = f"; write {int(value)}" if isinstance(value, float) and value.is_integer() else ""
         raise ConfigTypeError(f"{where} must be an integer, got {type(value).__name__} {value!r}{hint}")
-    value = operator.index(value)
+    try:
+        value = operator.index(value)
+    except (TypeError, ValueError):   # an array or tensor of several elements, say
+        raise ConfigTypeError(f"{where} must be an integer, got {_shown(value)}") from None
     if minimum is not None and value < minimum:
         raise ConfigError(f"{where} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -58,9 +61,20 @@ def check_float(owner: str | None, name: str, value) -> float:
         value = float(value)
     except OverflowError:  # an int too large for a float
         raise ConfigError(f"{where} must be a finite number, got an integer too large for a float") from None
+    except (TypeError, ValueError):   # an array or tensor of several elements, say
+        raise ConfigTypeError(f"{where} must be a number, got {_shown(value)}") from None
     if not math.isfinite(value):  # json.loads accepts NaN and Infinity
         raise ConfigError(f"{where} must be a finite number, got {value}")
     return value
+
+
+def _shown(value) -> str:
+    """A value as an error shows it: its type, and its shape where it has one (an array or
+    a tensor, whose repr can run to pages)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)}; give a single number"
+    return f"{type(value).__name__} {value!r}"
 
 
 def check_bool(owner: str | None, name: str, value) -> bool:

@@ -256,12 +256,41 @@ class ModelConfig:
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
+    # The keys every branchspec config.json has held (`to_dict` writes all fields), and the
+    # V4 parts' keys, added together: a file from before them names none of those, and their
+    # defaults are that plain model; any other file naming only some of them lost the rest.
+    _CORE_KEYS = ("vocab_size", "d_model", "num_layers", "compress_ratios", "num_heads", "head_dim", "rope_dim",
+                  "q_lora_rank", "window", "index_num_heads", "index_head_dim", "index_topk", "ffn_hidden",
+                  "max_position", "rope_theta", "norm_eps", "num_mtp_layers", "bos_token_id", "eos_token_id",
+                  "pad_token_id")
+    _V4_KEYS = ("compress_rope_theta", "yarn_factor", "yarn_original_max_position", "yarn_beta_fast",
+                "yarn_beta_slow", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "num_experts",
+                "num_experts_per_tok", "num_shared_experts", "moe_hidden", "scoring_func", "norm_topk_prob",
+                "routed_scaling_factor", "num_hash_layers", "swiglu_limit")
+
+    @classmethod
+    def missing_keys(cls, d: dict) -> list[str]:
+        """The keys a config.json dict lacks that the model it describes needs: any of
+        `_CORE_KEYS`, and of `_V4_KEYS` unless it names none (a plain model's, from before
+        the V4 parts). Taking a default for them would build another model than the one
+        the weights were trained as, without a word (a missing yarn_factor: no YaRN)."""
+        missing = [k for k in cls._CORE_KEYS if k not in d]
+        if any(k in d for k in cls._V4_KEYS):
+            missing += [k for k in cls._V4_KEYS if k not in d]
+        return missing
+
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
-        """Read `folder/config.json`; every ConfigError names that file."""
+        """Read `folder/config.json`; every ConfigError names that file, a missing key the
+        model needs (`missing_keys`) included."""
         d = read_config_json(folder)
         try:
-            return cls.from_dict(d)
+            config = cls.from_dict(d)
+            missing = cls.missing_keys(d)
+            require(not missing, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing; "
+                                 "branchspec writes every key, and a default would build another model than "
+                                 "the one these weights belong to: restore the checkpoint's own values")
+            return config
         except ConfigError as e:
             raise ConfigError(f"{Path(folder) / 'config.json'}: {e}") from e
 

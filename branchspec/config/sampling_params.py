@@ -15,6 +15,9 @@ from branchspec.config.checks import ConfigError, ConfigTypeError, check_bool, c
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**64 - 1   # the range torch.Generator.manual_seed takes
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+# The most samples of one prompt (vLLM's VLLM_MAX_N_SEQUENCES default): each is a request
+# of its own, made before any runs, so n = 10**12 (a typo for 12) would never start.
+MAX_N = 16384
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,9 @@ class SamplingParams:
     the penalty and multiplies negative ones. Under speculation each draft node is
     penalised by its own prefix: the committed output plus its path in the tree.
 
-    n: independent samples of the prompt, run as n requests in one batch and returned as
-    one RequestOutput with n outputs. With a seed, sample i uses seed + i (mod 2**64), as
-    vLLM does, so sample 0 is what n = 1 gives.
+    n: independent samples of the prompt (1 to MAX_N = 16384, vLLM's limit), run as n
+    requests in one batch and returned as one RequestOutput with n outputs. With a seed,
+    sample i uses seed + i (mod 2**64), as vLLM does, so sample 0 is what n = 1 gives.
 
     max_tokens 0 generates nothing: the request only scores its prompt (prompt_logprobs).
 
@@ -110,7 +113,7 @@ class SamplingParams:
         check_bool(own, "ignore_eos", self.ignore_eos)
         check_bool(own, "include_stop_str_in_output", self.include_stop_str_in_output)
         check_bool(own, "skip_special_tokens", self.skip_special_tokens)
-        object.__setattr__(self, "n", check_int(own, "n", self.n, minimum=1))
+        object.__setattr__(self, "n", check_int(own, "n", self.n, minimum=1, maximum=MAX_N))
         for name in ("presence_penalty", "frequency_penalty"):
             value = check_float(own, name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
@@ -188,5 +191,8 @@ def _logit_bias(own: str, bias) -> tuple[tuple[int, float], ...]:
         b = check_float(own, f"logit_bias[{t}]", pair[1])
         if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS or math.isnan(b):
             raise ConfigError(f"{own}.logit_bias[{t}] must be in [-100, 100], got {b}")
+        if t in out:   # one of the two would silently win
+            raise ConfigError(f"{own}.logit_bias gives token {t} twice (biases {out[t]:g} and {b:g}); give each "
+                              "token once")
         out[t] = b
     return tuple(sorted(out.items()))

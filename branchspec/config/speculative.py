@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -86,14 +87,26 @@ class SpecConfig:
 
 
     @classmethod
-    def auto(cls, candidates=None, *, max_draft_tokens: int = 8, selection: str = "calibrated") -> "AutoPolicy":
+    def auto(cls, candidates=None, *, max_draft_tokens: int | None = None,
+             selection: str | None = None) -> "AutoPolicy":
         """Adaptive speculation: before each round the engine picks, from `candidates`
-        (SpecConfigs and None for plain decoding), the one with the most expected emitted
-        tokens per second for the running batch, by the engine's measured acceptance (the
-        one the calibrated selection learns). None takes `default_candidates`, whose trees
-        keep their nodes by `selection`."""
+        (a list of SpecConfigs and None for plain decoding), the one with the most expected
+        emitted tokens per second for the running batch, by the engine's measured acceptance
+        (the one the calibrated selection learns). None takes `default_candidates`, up to
+        `max_draft_tokens` (default 8), whose trees keep their nodes by `selection` (default
+        "calibrated"). Those two shape the default candidates only: given beside
+        `candidates` they would be ignored, so they are refused."""
         if candidates is None:
-            candidates = default_candidates(max_draft_tokens, selection)
+            return AutoPolicy(candidates=default_candidates(8 if max_draft_tokens is None else max_draft_tokens,
+                                                            "calibrated" if selection is None else selection))
+        for name, value in (("max_draft_tokens", max_draft_tokens), ("selection", selection)):
+            if value is not None:
+                raise ConfigError(f"SpecConfig.auto: {name}={value!r} shapes the default candidates only, and "
+                                  f"candidates are given; drop {name} (or pass no candidates)")
+        if isinstance(candidates, (SpecConfig, str, bytes)) or not isinstance(candidates, Iterable):
+            hint = "; wrap a single configuration in a list: [spec]" if isinstance(candidates, SpecConfig) else ""
+            raise ConfigTypeError(f"SpecConfig.auto: candidates must be a list of SpecConfig or None (None: plain "
+                                  f"decoding), got {type(candidates).__name__} {candidates!r}{hint}")
         return AutoPolicy(candidates=tuple(candidates))
 
 
@@ -106,7 +119,9 @@ AUTO_TREE_SHAPES = ((3, 2), (2, 3), (4, 2), (3, 3))
 def default_candidates(max_draft_tokens: int = 8, selection: str = "calibrated") -> tuple["SpecConfig | None", ...]:
     """No speculation, chains with D = 2..max_draft_tokens, and the trees of
     `AUTO_TREE_SHAPES` at every D from 4 up (those valid at that D), selecting their nodes
-    by `selection`; calibrated ones add (D-1)x2 from D = 6 up.
+    by `selection`; calibrated ones add (D-1)x2 from D = 6 up (11x2 from D = 13 up: a
+    twelfth step would give the policy 8,190 nodes to weigh, past `AutoPolicy.MAX_PATHS`).
+    Every budget the knob allows (2..16) gives candidates the policy can weigh.
 
     Calibrated trees by default: the policy prices a tree by the best D-1 nodes under the
     measured acceptance, which is what the calibrated selection keeps (EAGLE-2's keeps the
@@ -119,7 +134,8 @@ def default_candidates(max_draft_tokens: int = 8, selection: str = "calibrated")
     for d in range(4, top + 1):
         shapes = list(AUTO_TREE_SHAPES)
         if selection == "calibrated" and d >= 6:
-            shapes.append((d - 1, 2))
+            # No deeper than the policy can weigh (AutoPolicy.MAX_PATHS): 11 steps, from D = 13 on.
+            shapes.append((min(d - 1, deepest_weighable(2)), 2))
         for steps, topk in shapes:
             try:
                 out.append(SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=d, selection=selection))
@@ -158,6 +174,17 @@ def fast_path_candidates(max_draft_tokens: int = 8, selection: str = "calibrated
         if spec not in out:
             out.append(spec)
     return tuple(out)
+
+
+def deepest_weighable(topk: int) -> int:
+    """The most steps a candidate of this topk may draft for the policy to weigh it: its
+    possible nodes (topk + topk^2 + ... + topk^steps) within `AutoPolicy.MAX_PATHS`, and
+    its depth within `AutoPolicy.MAX_DEPTH`."""
+    steps, nodes = 0, 0
+    while steps < AutoPolicy.MAX_DEPTH and nodes + topk ** (steps + 1) <= AutoPolicy.MAX_PATHS:
+        steps += 1
+        nodes += topk ** steps
+    return steps
 
 
 def spec_label(spec: "SpecConfig | AutoPolicy | None") -> str:

@@ -27,6 +27,7 @@ loads as a ``ForeignTokenizer``: bos/eos from its ``tokenizer_config.json`` or t
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -59,6 +60,35 @@ OWN_TEMPLATE_KEY = "branchspec_chat_template"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+
+
+# A text this long (or a quarter as many ids, to decode) goes through the backend's batch
+# call, which releases the GIL while it works (its one-text `encode` and `decode` hold it: a
+# prompt of megabytes held every other thread, a server's event loop included, for
+# seconds). Shorter ones take the plain call, which keeps the backend's thread pool (and
+# its warning on a later fork) out of use.
+RELEASE_GIL_CHARS = 1 << 16
+
+
+def _encode_releasing_gil(backend: _HFTokenizer, text: str) -> list[int]:
+    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)   # _fast: no offsets (tokenizers >= 0.20)
+    return batch([text], add_special_tokens=False)[0].ids
+
+
+# Pre-tokenizers that split text without dropping any of it (ByteLevel and Metaspace
+# respell it, a Split that keeps its matches keeps them).
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split")
+
+
+def _keeps_every_character(pre: dict | None) -> bool:
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(p) for p in pre.get("pretokenizers", []))
+    if kind == "Split" or kind == "Punctuation":
+        return pre.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 def _read_json_object(path: Path) -> tuple[str, dict]:
@@ -130,10 +160,30 @@ class Tokenizer:
         previous = backend.encode_special_tokens
         backend.encode_special_tokens = not parse_special
         try:
-            ids = backend.encode(text, add_special_tokens=False).ids
+            if len(text) < RELEASE_GIL_CHARS:
+                ids = backend.encode(text, add_special_tokens=False).ids
+            else:   # the same ids, computed without holding the GIL (see RELEASE_GIL_CHARS)
+                ids = _encode_releasing_gil(backend, text)
         finally:
             backend.encode_special_tokens = previous
         return [self.bos_id, *ids] if add_bos else ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (its longest entry, an
+        added token's content included), so a text of more than n times this many
+        characters has more than n tokens, which a server can tell without tokenizing it.
+        None where the bound does not hold: a normaliser (NFC composes two characters into
+        one) or a pre-tokenizer that drops characters (whitespace splitting) lets a token
+        stand for more of the input than its own spelling."""
+        try:
+            spec = json.loads(self._backend.to_str())
+        except (ValueError, TypeError):
+            return None
+        if spec.get("normalizer") is not None or not _keeps_every_character(spec.get("pre_tokenizer")):
+            return None
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=None)
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
         """``encode`` over many texts, in parallel inside the backend."""
@@ -152,7 +202,10 @@ class Tokenizer:
         if id_list and (min(id_list) < 0 or max(id_list) >= self.vocab_size):
             bad = next(i for i in id_list if not 0 <= i < self.vocab_size)
             raise ValueError(f"unknown token id {bad} (vocab_size is {self.vocab_size})")
-        return self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+        if len(id_list) < RELEASE_GIL_CHARS // 4:
+            return self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+        # The batch call releases the GIL (a million ids held it for a second otherwise).
+        return self._backend.decode_batch([id_list], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -227,7 +280,7 @@ class Tokenizer:
         backend = _HFTokenizer.from_str(self._backend.to_str())
         backend.post_processor = processors.TemplateProcessing(
             single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, self.bos_id)])
-        backend.save(str(out / TOKENIZER_FILE))
+        _save_backend(backend, out / TOKENIZER_FILE)
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": BOS,
@@ -296,6 +349,20 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def _save_backend(backend: _HFTokenizer, path: Path) -> None:
+    """``tokenizers``' save, whose I/O failures (a full disk) are bare Exceptions: raised
+    as the OSError they are, naming the file."""
+    from branchspec.atomic import os_error_of
+
+    try:
+        backend.save(str(path))
+    except Exception as e:   # noqa: BLE001 - the backend's errors are plain Exception
+        error = os_error_of(e, path)
+        if error is None:
+            raise
+        raise error from e
 
 
 def _token_content(value) -> str | None:
@@ -470,7 +537,7 @@ class ForeignTokenizer(Tokenizer):
         tokens filled in where they came from the model config)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self._backend.save(str(out / TOKENIZER_FILE))
+        _save_backend(self._backend, out / TOKENIZER_FILE)
         config = dict(self._config)
         for key, tid in (("bos_token", self._bos_id), ("eos_token", self._eos_id), ("pad_token", self._pad_id)):
             if _token_content(config.get(key)) is None and tid is not None:

@@ -26,7 +26,7 @@ from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED
 from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.drafter import MTPDrafter
-from branchspec.speculative.footprint import RoundLimits, available_memory
+from branchspec.speculative.footprint import RoundLimits, available_memory, check_pool_memory
 from branchspec.speculative.policy import BatchView, SpecPolicy, make_policy
 from branchspec.speculative.round import RoundResult
 
@@ -46,6 +46,11 @@ class Engine:
         if self.max_len > self.cfg.max_position:
             raise ValueError(f"max_model_len {self.max_len} exceeds the model's max_position {self.cfg.max_position}")
         p = model.embed.weight
+        # Sized by the user (max_batch_size, max_model_len): refused by name before allocating.
+        check_pool_memory(self.cfg, max_batch_size=self.config.max_batch_size, max_len=self.max_len,
+                          page_size=self.config.page_size, dtype_bytes=p.element_size(),
+                          num_pages=dict(self.config.num_pages), available_bytes=available_memory(p.device),
+                          device=str(p.device), max_len_given=self.config.max_model_len is not None)
         self.cache = PagedState(self.cfg, max_seqs=self.config.max_batch_size, max_len=self.max_len,
                                 page_size=self.config.page_size, dtype=p.dtype, device=p.device,
                                 num_pages=dict(self.config.num_pages))

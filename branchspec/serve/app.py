@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 import branchspec
-from branchspec.config import SpecConfig
+from branchspec.config import ConfigError, SpecConfig
 from branchspec.serve import protocol, responses
 from branchspec.serve.fields import APIError, error_body
 from branchspec.serve.metrics import ServerMetrics
@@ -44,11 +44,36 @@ RETRY_AFTER_SECONDS = 1
 PARSE_THREADS = 2        # requests parsed and tokenized at once (each thread: its own tokenizer)
 
 
+def check_api_key(key: str | None) -> str | None:
+    """The API key as given, or ConfigError for one no client can send, which would lock
+    every client out: empty, with whitespace at either end (clients and this server strip
+    it from a header), or with a character outside printable ASCII (a control character,
+    which no header may hold; a non-ASCII one, which HTTP clients refuse or send as other
+    bytes). vLLM starts with such a key and answers every request 401."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise ConfigError(f"--api-key must be a string, got {type(key).__name__}")
+    if not key:
+        raise ConfigError("--api-key is empty; give a key, or leave --api-key out")
+    if key != key.strip():
+        raise ConfigError(f"--api-key {key!r} starts or ends with whitespace, which no client sends in its "
+                          "'Authorization: Bearer' header; give the key without it")
+    for i, c in enumerate(key):
+        if not " " <= c <= "~":
+            kind = "a control character" if c.isascii() or not c.isprintable() else "a non-ASCII character"
+            raise ConfigError(f"--api-key holds {kind} ({c!r} at position {i}), which an 'Authorization: Bearer' "
+                              "header cannot carry as clients send it, so no request could authenticate; use "
+                              "printable ASCII (letters, digits, punctuation)")
+    return key
+
+
 class ServerState:
     """One served model: the LLM and its engine thread, the limits, the metrics."""
 
     def __init__(self, llm, spec: SpecConfig | None, *, model_name: str | None = None, api_key: str | None = None,
                  max_queued_requests: int = 256):
+        api_key = check_api_key(api_key)
         self.policy = llm.engine.policy(spec, progress=True)   # checked, and an adaptive one calibrated, now
         self.llm, self.spec = llm, spec
         self.engine = llm.engine
@@ -80,7 +105,9 @@ class ServerState:
             encode_chat=None if tok is None else self._encoder(
                 lambda t, messages, prompt=True: t.encode_chat(messages, add_generation_prompt=prompt), "messages"),
             decode=decode, validate=self.engine.validate,   # reads only the engine's fixed sizes
-            max_choices=self.max_running + self.max_queued)
+            max_choices=self.max_running + self.max_queued,
+            max_prompt_chars=None if tok is None or tok.max_token_chars is None else
+            self.engine.max_len * tok.max_token_chars, bos_id=None if tok is None else tok.bos_id)
         self.token_piece = self._locked(TokenPieces(tok))
         self.worker = EngineWorker(self.engine, spec, self.metrics, decode=decode, token_piece=self.token_piece)
 
@@ -152,11 +179,22 @@ def _client_error(e: Exception, param: str) -> APIError:
     return APIError(400, f"{param}: {text}", param)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refused when it gives a key twice (json.loads would keep the last
+    silently, so one of two logit biases, or two temperatures, would be ignored)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise APIError(400, f"the request body gives the key {twice!r} twice in one object; give each key once")
+    return obj
+
+
 def parse_body(raw: bytes, parse, info: protocol.ModelInfo) -> GenerationRequest:
     """A request body's bytes -> the checked request (a parse thread runs this): APIError
     for anything wrong, a ValueError or TypeError of the client's making included."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
@@ -165,6 +203,34 @@ def parse_body(raw: bytes, parse, info: protocol.ModelInfo) -> GenerationRequest
         return parse(body, info)
     except (ValueError, TypeError, RecursionError) as e:    # APIError is neither: it passes
         raise APIError(400, f"invalid request: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+def tokenize_body(raw: bytes, state: ServerState) -> bytes:
+    """/tokenize's answer to a request body (a parse thread runs this)."""
+    req = parse_body(raw, protocol.parse_tokenize, state.info)
+    strs = [state.token_piece(t)[0] for t in req.ids] if req.return_token_strs else None
+    return json_bytes({"count": len(req.ids), "max_model_len": state.engine.max_len, "tokens": req.ids,
+                       "token_strs": strs})
+
+
+JSON_CHUNK = 1 << 14     # list items serialised per call of json.dumps
+
+
+def json_bytes(obj: dict) -> bytes:
+    """`obj` as JSONResponse writes it, its long lists serialised a chunk at a time: one
+    json.dumps call holds the GIL throughout, and a list of millions of ids would hold the
+    event loop and every other thread for a large part of a second."""
+    def dumps(value) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    fields = []
+    for key, value in obj.items():
+        if isinstance(value, list) and len(value) > JSON_CHUNK:
+            text = "[" + ",".join(dumps(value[i:i + JSON_CHUNK])[1:-1] for i in range(0, len(value), JSON_CHUNK)) + "]"
+        else:
+            text = dumps(value)
+        fields.append(f"{dumps(key)}:{text}")
+    return ("{" + ",".join(fields) + "}").encode("utf-8")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -249,13 +315,12 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             check_key(request)
             raw = await read_body(request, state.body_timeout)
-            req = await asyncio.get_running_loop().run_in_executor(state.parse_pool, parse_body, raw,
-                                                                   protocol.parse_tokenize, state.info)
+            # A prompt of any length is tokenized (vLLM's /tokenize too: it reports the count
+            # beside max_model_len), so the answer, millions of ids, is built off the loop.
+            content = await asyncio.get_running_loop().run_in_executor(state.parse_pool, tokenize_body, raw, state)
         except APIError as e:
             return error(e)
-        strs = [state.token_piece(t)[0] for t in req.ids] if req.return_token_strs else None
-        return JSONResponse({"count": len(req.ids), "max_model_len": state.engine.max_len, "tokens": req.ids,
-                             "token_strs": strs})
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -363,7 +428,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def stream(jobs: list[Job], req: GenerationRequest, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         chat = req.endpoint == "chat"
-        offsets = [0] * len(jobs)          # text offset of each choice's next logprob
+        offsets = [responses.TextOffsets() for _ in jobs]   # where each choice's next token starts
         started = [False] * len(jobs)      # its first chunk went out (the echo goes with it)
         finals: dict[int, Output] = {}
         if chat:
@@ -387,8 +452,10 @@ def create_app(state: ServerState) -> FastAPI:
                 if chat:
                     logprobs = responses.chat_logprobs(out.logprobs, req.logprobs)
                 else:
-                    logprobs, offsets[i] = responses.completion_logprobs(echoed + out.logprobs, offsets[i],
-                                                                         req.logprobs)
+                    prompt = req.prompts[i // req.n]
+                    logprobs = responses.completion_logprobs(echoed + out.logprobs,
+                                                             responses.spelt(prompt, echoed, out.logprobs),
+                                                             offsets[i], req.logprobs)
             body = responses.chunk(req, rid, created, i, {"content": text} if chat else text, logprobs,
                                    out.token_ids, out.finish_reason, out.stop_reason, out.completion_tokens)
             if out.final:

@@ -129,12 +129,15 @@ def logit_bias(param: str, value) -> dict[int, float]:
     """OpenAI's {"token id": bias} (keys are strings in JSON), biases in [-100, 100]."""
     if not isinstance(value, dict):
         raise bad(param, f"must be an object mapping token ids to biases, got {what(value)}")
-    out = {}
+    out, keys = {}, {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise bad(param, f"keys must be token ids (non-negative integers), got {what(key)}")
         b = number(f"{param}.{key}", bias)
         if not -100.0 <= b <= 100.0:
             raise bad(f"{param}.{key}", f"must be in [-100, 100], got {b:g}")
-        out[int(key)] = b
+        token = int(key)
+        if token in out:   # "0408" and "408": one of the two would silently win
+            raise bad(param, f"gives token {token} twice (keys {keys[token]!r} and {key!r}); give each token once")
+        out[token], keys[token] = b, key
     return out

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from branchspec.config import SamplingParams
+from branchspec.config import MAX_N, SamplingParams
 from branchspec.serve import fields
 from branchspec.serve.fields import APIError, bad, boolean, get, integer, number, only_default, what
 
@@ -31,6 +31,11 @@ class PromptInput:
     ids: list[int]
     text: str | None             # as echoed: the prompt text, or its ids decoded (None: not asked)
     params: SamplingParams       # params.n samples
+    # Which prompt tokens the echoed text spells (for text_offset): not a BOS the server
+    # added to a text prompt, and special tokens only in text the client gave (text
+    # decoded from ids skips them).
+    bos_added: bool = False
+    specials_spelt: bool = True
 
 
 @dataclass
@@ -67,6 +72,10 @@ class ModelInfo:
     decode: Callable[[list[int]], str] | None                # ids -> text (echo of id prompts)
     validate: Callable[[list[int], SamplingParams], None]   # Engine.validate
     max_choices: int                                        # engine requests one HTTP request may hold
+    # Characters beyond which a text cannot fit max_len tokens (max_len times the most
+    # characters one token spells: `Tokenizer.max_token_chars`); None: no such bound.
+    max_prompt_chars: int | None = None
+    bos_id: int | None = None                               # what encode_text(text, True) puts first
 
 
 # vLLM's and OpenAI's parameters this server does not implement: refused unless they carry
@@ -137,7 +146,7 @@ def _sampling(body: dict, *, max_tokens: int, logprobs: int | None, prompt_logpr
             ignore_eos=get(body, "ignore_eos", boolean, default=False),
             include_stop_str_in_output=get(body, "include_stop_str_in_output", boolean, default=False),
             skip_special_tokens=get(body, "skip_special_tokens", boolean, default=True),
-            n=get(body, "n", integer, 1, default=1),
+            n=get(body, "n", integer, 1, MAX_N, default=1),
             presence_penalty=get(body, "presence_penalty", number, default=0.0),
             frequency_penalty=get(body, "frequency_penalty", number, default=0.0),
             repetition_penalty=get(body, "repetition_penalty", number, default=1.0),
@@ -172,6 +181,17 @@ def _max_tokens(n: int, max_tokens: int | None, default: int | None, info: Model
                             f"{n + max_tokens} ({n} in the {prompt_param}, {max_tokens} in the completion); "
                             f"reduce {max_param} or the {prompt_param}", max_param, code="context_length_exceeded")
     return max_tokens
+
+
+def _check_prompt_chars(num_chars: int, info: ModelInfo, param: str) -> None:
+    """Refuse, before tokenizing it, a text too long for any of its tokenizations to fit
+    the context: tokenizing megabytes takes seconds, and the answer would be this 400."""
+    bound = info.max_prompt_chars
+    if bound is not None and num_chars > bound:
+        raise APIError(400, f"this model's maximum context length is {info.max_len} tokens, and the {param} has "
+                            f"{num_chars} characters, more than {info.max_len} tokens of its tokenizer can spell "
+                            f"({bound // info.max_len} characters at most each); shorten the {param}",
+                       param, code="context_length_exceeded")
 
 
 def _validate(info: ModelInfo, ids: list[int], params: SamplingParams, prompt_param: str,
@@ -209,6 +229,7 @@ def _prompts(prompt, info: ModelInfo, add_bos: bool) -> list[tuple[list[int], st
         fields.text(param, value)
         if info.encode_text is None:
             raise bad(param, "must be token ids: this model has no tokenizer")
+        _check_prompt_chars(len(value), info, param)
         return info.encode_text(value, add_bos)
 
     if isinstance(prompt, str):
@@ -237,7 +258,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerationRequest:
         raise bad("prompt", "is required")
     echo = get(body, "echo", boolean, default=False)
     add_bos = get(body, "add_special_tokens", boolean, default=True)
-    n = get(body, "n", integer, 1, default=1)
+    n = get(body, "n", integer, 1, MAX_N, default=1)
     raw = body["prompt"]
     num_prompts = len(raw) if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else 1
     _check_choices(num_prompts * n, info, "n" if num_prompts == 1 else "prompt")   # before any encoding
@@ -249,6 +270,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerationRequest:
     max_tokens = get(body, "max_tokens", integer, 0)
     out = []
     for i, (ids, text) in enumerate(prompts):
+        given = text is not None
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         params = _sampling(body, max_tokens=_max_tokens(len(ids), max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, info,
                                                         where, "max_tokens"),
@@ -257,7 +279,8 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerationRequest:
         _validate(info, ids, params, where, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"})
         if echo and text is None and info.decode is not None:
             text = info.decode(ids)
-        out.append(PromptInput(ids, text, params))
+        out.append(PromptInput(ids, text, params, bos_added=given and add_bos and info.bos_id is not None,
+                               specials_spelt=given))
     return GenerationRequest("completions", out, stream, include_usage, logprobs, model, echo=echo,
                              prompt_logprobs=prompt_lp, continuous_usage=continuous)
 
@@ -324,16 +347,23 @@ def parse_chat(body: dict, info: ModelInfo) -> GenerationRequest:
     messages = _messages(body)
     if info.encode_chat is None:
         raise bad("messages", "cannot be rendered: this model has no chat template; use /v1/completions")
+    _check_prompt_chars(sum(len(m["content"]) for m in messages), info, "messages")
     ids = info.encode_chat(messages)
-    _check_choices(get(body, "n", integer, 1, default=1), info, "n")
+    _check_choices(get(body, "n", integer, 1, MAX_N, default=1), info, "n")
     want = get(body, "logprobs", boolean, default=False)
     top = get(body, "top_logprobs", integer, 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise bad("top_logprobs", "needs logprobs set to true")
     logprobs = (top or 0) if want else None
     prompt_lp = _prompt_logprobs(body, stream)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = get(body, name, integer, 1)
+    # Both names are checked: max_tokens is OpenAI's older name for max_completion_tokens,
+    # and a value beside the other must not be ignored (vLLM takes max_completion_tokens).
+    given = {n: get(body, n, integer, 1) for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None}
+    if len(set(given.values())) > 1:
+        raise bad("max_tokens", f"({given['max_tokens']}) and max_completion_tokens ({given['max_completion_tokens']}) "
+                                "disagree; give one of them (max_tokens is the older name)")
+    name = next(iter(given), "max_tokens")
+    max_tokens = given.get(name)
     params = _sampling(body, max_tokens=_max_tokens(len(ids), max_tokens, None, info, "messages", name),
                        logprobs=logprobs, prompt_logprobs=prompt_lp, max_param=name)
     _validate(info, ids, params, "messages", {"logprobs": "top_logprobs", "max_tokens": name})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from branchspec.serve.protocol import GenerationRequest
+from branchspec.serve.protocol import GenerationRequest, PromptInput
 from branchspec.serve.worker import Alternative, Output, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this instead
@@ -44,15 +44,47 @@ def _top(t: TokenLogprob, k: int) -> list[Alternative]:
     return top if any(a.token_id == t.token_id for a in top) else top + [t]
 
 
-def completion_logprobs(tokens: list[TokenLogprob], text_offset: int, k: int) -> tuple[dict, int]:
-    """OpenAI's legacy layout (parallel lists) and the text offset after the last token.
+class TextOffsets:
+    """OpenAI's text_offset: where each token's text starts in its choice's text, counted
+    from the tokens' bytes as they arrive (a stream's chunks share one). A token the text
+    does not spell (`spelt`) takes no room; a character split over two tokens is one
+    character, and a token that continues it points at it."""
 
-    A token nothing scores (the first prompt token, under echo) gets null logprobs. A
-    special token takes no room in the text, so it does not move the offset. top_logprobs
-    is keyed by token text: of tokens spelling the same text (parts of one character) the
-    most likely keeps the key, so its maximum stays the top token's (lm-eval's greedy test)."""
+    def __init__(self) -> None:
+        self.chars = 0        # characters the text holds so far: its UTF-8 lead bytes
+
+    def place(self, raw: bytes, spelt: bool) -> int:
+        """The offset of a token of bytes `raw`, which then moves the count if `spelt`."""
+        if not spelt:
+            return self.chars
+        continues = bool(raw) and 0x80 <= raw[0] < 0xC0 and self.chars > 0
+        offset = self.chars - continues
+        self.chars += sum(1 for b in raw if not 0x80 <= b < 0xC0)
+        return offset
+
+
+def spelt(prompt: PromptInput, echoed: list[TokenLogprob], generated: list[TokenLogprob]) -> list[bool]:
+    """Which of a choice's tokens its text spells: of the echoed prompt, all but a BOS the
+    server added, and special tokens only where the client gave the text (text decoded
+    from ids skips them); of the generated ones, special tokens only with
+    skip_special_tokens false."""
+    skip = prompt.params.skip_special_tokens
+    return ([not (i == 0 and prompt.bos_added) and (prompt.specials_spelt or not t.special)
+             for i, t in enumerate(echoed)] + [not (t.special and skip) for t in generated])
+
+
+def completion_logprobs(tokens: list[TokenLogprob], spelt_flags: list[bool], offsets: TextOffsets, k: int,
+                        text_length: int | None = None) -> dict:
+    """OpenAI's legacy layout (parallel lists); `offsets` moves past the tokens (see
+    `TextOffsets`, `spelt`), and an offset past `text_length` (a token a stop string cut
+    off) is the text's end.
+
+    A token nothing scores (the first prompt token, under echo) gets null logprobs.
+    top_logprobs is keyed by token text: of tokens spelling the same text (parts of one
+    character) the most likely keeps the key, so its maximum stays the top token's
+    (lm-eval's greedy test)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t in tokens:
+    for t, spelt_here in zip(tokens, spelt_flags):
         out["tokens"].append(t.token)
         out["token_logprobs"].append(None if t.logprob is None else _lp(t.logprob))
         top: dict[str, float] | None = None
@@ -61,9 +93,9 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int, k: int) ->
             for a in _top(t, k):           # most likely first
                 top.setdefault(a.token, _lp(a.logprob))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += 0 if t.special else len(t.token)
-    return out, text_offset
+        offset = offsets.place(t.bytes, spelt_here)
+        out["text_offset"].append(offset if text_length is None else min(offset, text_length))
+    return out
 
 
 def chat_logprobs(tokens: list[TokenLogprob], k: int) -> dict:
@@ -121,8 +153,9 @@ def response_body(req: GenerationRequest, rid: str, outs: list[Output]) -> dict:
         else:
             echoed = (out.prompt_logprobs or []) if req.echo else []
             choice["text"] = (prompt.text or "") + out.text if req.echo else out.text
-            choice["logprobs"] = None if out.logprobs is None else \
-                completion_logprobs(echoed + out.logprobs, 0, req.logprobs)[0]
+            choice["logprobs"] = None if out.logprobs is None else completion_logprobs(
+                echoed + out.logprobs, spelt(prompt, echoed, out.logprobs), TextOffsets(), req.logprobs,
+                len(choice["text"]))
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs)
         choice["finish_reason"] = out.finish_reason

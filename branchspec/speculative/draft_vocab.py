@@ -42,15 +42,15 @@ class DraftVocab:
         return int(self.token_ids.numel())
 
     def save(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
-        """Write the map to `path` (a folder gets `draft_vocab.safetensors`); atomic."""
-        from safetensors.torch import save_file
+        """Write the map to `path` (a folder gets `draft_vocab.safetensors`); atomic, and a
+        failed write (a full disk) is an OSError naming the file."""
+        from branchspec.atomic import save_safetensors, write_atomically
 
         path = Path(path)
         if path.is_dir():
             path = path / DRAFT_VOCAB_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"token_ids": self.token_ids.to(torch.int32).contiguous()}, str(tmp), metadata=metadata)
-        tmp.replace(path)
+        ids = {"token_ids": self.token_ids.to(torch.int32).contiguous()}
+        write_atomically(path, lambda tmp: save_safetensors(ids, tmp, metadata))
         return path
 
     @classmethod

@@ -19,6 +19,12 @@ engine's largest batch B, in bytes:
 The estimate is the larger of the drafting and the verify peaks (their tensors do not
 live at once). It is a model of the allocations, not a measurement: within a small factor,
 which is what telling 69 GB from 69 MB needs.
+
+The page pools themselves are sized by the user too (max_batch_size requests of
+max_model_len tokens): `check_pool_memory` refuses pools that cannot fit before the engine
+allocates them, naming the knob and the largest value that fits. Free memory
+(`available_memory`) is the least of what the host, the process's cgroup and its address
+space limit leave.
 """
 
 from __future__ import annotations
@@ -125,9 +131,74 @@ def check_round_memory(spec: SpecConfig, cfg: ModelConfig, limits: RoundLimits |
         f"{_gib(budget)} a round may take of the {_gib(limits.available_bytes)} free on {limits.device}; {advice}")
 
 
+# -- the page pools ---------------------------------------------------------------------------
+
+def pool_bytes(cfg: ModelConfig, max_seqs: int, max_len: int, page_size: int, dtype_bytes: int,
+               num_pages: dict[str, int] | None = None) -> dict[str, int]:
+    """Bytes of each kind's page pool (`cache.paged.PagedState`) for these sizes: its
+    layers x (its pages + the sink page) x page_size slots x its width. `num_pages` as
+    EngineConfig takes it."""
+    from branchspec.cache.paged import default_num_pages, kind_specs
+
+    given = dict(num_pages or {})
+    return {s.name: len(s.layers) * (given.get(s.name, default_num_pages(s, max_seqs, max_len, page_size)) + 1)
+            * page_size * s.width * dtype_bytes for s in kind_specs(cfg, page_size)}
+
+
+def _largest(fits, high: int) -> int:
+    """The largest n in [1, high] with fits(n) (fits is monotone), or 0 if none."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def check_pool_memory(cfg: ModelConfig, *, max_batch_size: int, max_len: int, page_size: int, dtype_bytes: int,
+                      num_pages: dict[str, int] | None, available_bytes: int | None, device: str = "cpu",
+                      max_len_given: bool = True) -> None:
+    """ConfigError naming the knob when the page pools for `max_batch_size` requests of
+    `max_len` tokens would take more than MEMORY_FRACTION of the free memory, with the
+    largest value of it that fits: max_batch_size, else (a single request too large)
+    max_model_len, else the num_pages given. `max_len_given`: max_model_len was the user's,
+    not the model's max_position (the message says which)."""
+    if available_bytes is None:
+        return
+    budget = MEMORY_FRACTION * available_bytes
+
+    def total(batch: int = max_batch_size, length: int = max_len, pages=num_pages) -> int:
+        return sum(pool_bytes(cfg, batch, length, page_size, dtype_bytes, pages).values())
+
+    need = total()
+    if need <= budget:
+        return
+    where = f"more than the {_gib(budget)} they may take of the {_gib(available_bytes)} free on {device}"
+    length = f"max_model_len={max_len}" if max_len_given else f"max_model_len={max_len} (the model's max_position)"
+    requests = f"{max_batch_size} request{'s' if max_batch_size != 1 else ''}"
+    pools = f"the page pools for {requests} of up to {max_len} tokens would take {_gib(need)}"
+    batch = _largest(lambda b: total(batch=b) <= budget, max_batch_size)
+    if batch >= 1:
+        raise ConfigError(f"max_batch_size={max_batch_size}: {pools}, {where}; use max_batch_size <= {batch} "
+                          f"(or a smaller max_model_len)")
+    length_fits = _largest(lambda n: total(batch=1, length=n) <= budget, max_len)
+    if length_fits >= 1:
+        raise ConfigError(f"{length}: {pools}, {where}, even one request's; use max_model_len <= {length_fits} "
+                          f"(at max_batch_size=1)")
+    given = dict(num_pages or {})
+    parts = pool_bytes(cfg, 1, 1, page_size, dtype_bytes, given)
+    kind = max(given, key=lambda k: parts[k]) if given else max(parts, key=parts.get)
+    raise ConfigError(f"num_pages[{kind!r}]={given.get(kind, '?')}: {pools}, {where}; give fewer pages")
+
+
+# -- free memory -------------------------------------------------------------------------------
+
 def available_memory(device) -> int | None:
-    """Free bytes on `device` (a torch.device): CUDA's own count, else the host's
-    MemAvailable; None where neither can be read."""
+    """Free bytes on `device` (a torch.device): CUDA's own count; on the host the least of
+    MemAvailable, what the process's cgroup limit leaves and what its address-space limit
+    (RLIMIT_AS, `ulimit -v`) leaves; None where none can be read."""
     import torch
 
     if device.type == "cuda":
@@ -135,6 +206,11 @@ def available_memory(device) -> int | None:
             return int(torch.cuda.mem_get_info(device)[0])
         except (RuntimeError, AssertionError):
             return None
+    known = [n for n in (_host_available(), _cgroup_available(), _address_space_available()) if n is not None]
+    return min(known) if known else None
+
+
+def _host_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -148,3 +224,38 @@ def available_memory(device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def _cgroup_available() -> int | None:
+    """The cgroup's memory limit less its usage (v2: memory.max; v1: limit_in_bytes)."""
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+            if text == "max":
+                return None
+            with open(usage) as f:
+                return max(int(text) - int(f.read().strip()), 0)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _address_space_available() -> int | None:
+    """RLIMIT_AS less the process's virtual size: past it every allocation fails, whatever
+    the host has free."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return max(limit - int(line.split()[1]) * 1024, 0)
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
+    return None

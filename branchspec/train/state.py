@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from branchspec.atomic import is_temporary, write_atomically
+from branchspec.atomic import is_temporary, save_safetensors, write_atomically
 
 STATE_FILE = "state.json"
 STATE_FORMAT = "branchspec-train-state"
@@ -47,9 +47,7 @@ def write_json(path: Path, obj) -> None:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    write_atomically(path, lambda tmp: save_safetensors(tensors, tmp, metadata))
 
 
 def remove_leftovers(out: Path) -> list[Path]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from branchspec.atomic import write_atomically, write_text
 from branchspec.checkpoint import save_checkpoint
-from branchspec.config import ModelConfig, tiny_config, v4_mini_config, v4_mini_v2_config
+from branchspec.config import ModelConfig, check_float, tiny_config, v4_mini_config, v4_mini_v2_config
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
 from branchspec.model.init import init_weights
 from branchspec.model.model import Transformer
@@ -88,8 +88,12 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose from {PRECISIONS}")
         check_mix(self.mix)
+        for name in ("lr", "min_lr_ratio", "weight_decay", "mtp_weight"):   # NaN would train on silently
+            check_float(None, name, getattr(self, name))
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.mtp_weight < 0:
+            raise ValueError(f"mtp_weight must be >= 0 (0: the drafter is not trained), got {self.mtp_weight}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
