@@ -133,6 +133,15 @@ def build_stacked(module: nn.Module) -> None:
                 value.frozen = True
 
 
+def rebuild_stacked(module: nn.Module) -> None:
+    """Rebuild the joined copies already built (after the weights moved: `Transformer._apply`),
+    so that a frozen copy follows its weights to their new device or dtype."""
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, _WeightCopy) and value.stacked is not None:
+                value.build()
+
+
 def pack_products(module: nn.Module, on: bool = True, min_elements: int = PACK_MIN_ELEMENTS) -> int:
     """Run the products of `module`'s large weights (`Linear` products and joined copies,
     `StackedLinear` and `JoinedLinear`, with at least `min_elements` weights; all of them

@@ -14,7 +14,7 @@ from torch import nn
 from branchspec.config import Compression, ModelConfig
 from branchspec.model.attention import Attention, LayerScratch, LayerState, RopeTables, empty_layer_state, rope_table_of
 from branchspec.model.layers import (EXPERT_DISPATCH, Linear, RMSNorm, feed_forward, hc_head, hc_post, hc_pre,
-                                     hc_scale_index, rope_tables)
+                                     hc_scale_index, rebuild_stacked, rope_tables)
 from branchspec.model.matmul import linear
 from branchspec.model.metadata import ForwardMeta, chain_meta
 
@@ -133,11 +133,12 @@ class Transformer(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         """Moving the model moves its RoPE frequency tables too (kept in float64 whatever
-        the model's dtype, so not buffers, which a dtype cast would reach): a forward must
-        not copy them to the device at every call."""
+        the model's dtype, so not buffers, which a dtype cast would reach), and its joined
+        projections' copies: a forward must not copy them to the device at every call."""
         super()._apply(fn, recurse)
         device = self.embed.weight.device
         self.rope = {name: t.to(device) for name, t in self.rope.items()}
+        rebuild_stacked(self)     # joined projections built (or frozen) before the move follow it
         return self
 
     def _streams(self, x: torch.Tensor) -> torch.Tensor:
