@@ -25,7 +25,7 @@ from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
 from branchspec.data import workloads as wl
 from branchspec.data.workloads import mbpp as mbpp_source
-from branchspec.speculative.round import ROUND_PHASES
+from branchspec.speculative.outcome import ROUND_PHASES
 from branchspec.model.init import random_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

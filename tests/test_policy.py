@@ -18,7 +18,7 @@ from branchspec.speculative.policy.acceptance import OFF, ExpectedAccept, candid
 from branchspec.speculative.policy.adaptive import AdaptivePolicy
 from branchspec.speculative.policy.costs import CostModel, calibration_batches, grid_tokens, load_or_calibrate
 from branchspec.speculative.policy.tuning import TUNING
-from branchspec.speculative.round import RoundResult
+from branchspec.speculative.outcome import RoundResult
 from conftest import markov_batches
 from test_spec_decode import chi2_sf
 

@@ -116,7 +116,7 @@ def test_outputs_carry_stats(llm, prompts, params):
             assert len(o.accepted_per_depth) == spec.num_draft_tokens - 1
             assert all(a >= b for a, b in zip(o.accepted_per_depth, o.accepted_per_depth[1:]))
     stats = llm.last_stats
-    assert set(stats.phase_seconds) >= {"draft", "verify", "accept", "commit", "draft_extend"}
+    assert set(stats.phase_seconds) >= {"draft", "verify", "draft_extend", "learn"}
 
 
 SEEDED_SPECS = [SpecConfig.chain(2), SpecConfig.chain(5), SpecConfig.chain(8), SpecConfig(3, 2, 6),

@@ -218,14 +218,14 @@ def _storage_diff(a, b) -> float:
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(L=st.sampled_from([2, 5, 126, 129]), data=st.data())
 def test_verify_commits_the_greedy_rows_argmax_path_and_nothing_else(tiny64, L, data):
-    """`verify_forward` accepts every row by its argmax and commits the rows marked
+    """`verify_pass` accepts every row by its argmax and commits the rows marked
     greedy: such a row's state is then exactly the sequential state of its accepted path
     (invariant S), and the pools hold nothing else (as if only that path had been
     committed by `PagedState.commit`). Both rows' trees are a greedy chain with a sibling
     off its root, so the argmax accepts the whole chain. Negative controls: with neither
     row marked the state comparison fails, and with both marked the pools differ."""
     from branchspec.execution.eager import EagerExecutor
-    from branchspec.speculative.verify import verify_trees
+    from branchspec.speculative.verify import verify_pass
 
     D = 5
     base = new_cache(tiny64, max_seqs=2)
@@ -245,7 +245,7 @@ def test_verify_commits_the_greedy_rows_argmax_path_and_nothing_else(tiny64, L, 
     def verified(marked):
         cache = copy.deepcopy(base)
         with torch.no_grad():
-            v = verify_trees(EagerExecutor(tiny64, cache), tokens, parents, [0, 1], lengths,
+            v = verify_pass(EagerExecutor(tiny64, cache), tokens, parents, [0, 1], lengths,
                              torch.tensor(marked), torch.tensor([D, D]))
         return cache, v
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from statistics import fmean, median
 
 from branchspec.bench.metrics import FIXED_KINDS, CellResult
-from branchspec.speculative.round import ROUND_PHASES
+from branchspec.speculative.outcome import ROUND_PHASES
 
 BREAKDOWN_PHASES = (*ROUND_PHASES, "other")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from branchspec.config import SpecConfig
-from branchspec.speculative.round import ROUND_PHASES
+from branchspec.speculative.outcome import ROUND_PHASES
 from branchspec.llm import GenerateStats, RequestOutput
 from branchspec.bench.grid import shape_label
 

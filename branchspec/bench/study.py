@@ -237,8 +237,7 @@ class StudyConfig:
             "model": str(self.model) if self.model is not None else "default",
             "workloads": list(self.workloads), "budgets": list(self.budgets),
             "batch_sizes": list(self.batch_sizes),
-            "tree_shapes": {d: [shape_label(s) + (" calibrated" if s.selection == "calibrated" else "")
-                                for s in self.specs_at(d)[1:]] for d in self.budgets},
+            "tree_shapes": {d: [s.label for s in self.specs_at(d)[1:]] for d in self.budgets},
             "selections": list(self.selections),
             "max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
             "max_prompt_tokens": self.max_prompt_tokens, "temperature": self.temperature,
@@ -534,10 +533,9 @@ def report_from_results(out_dir: str | Path) -> tuple[list[CellResult], list, di
 
 
 def _cell_name(spec) -> str:
+    """A cell's configuration, named as everywhere (`spec_label`), plain decoding as the baseline."""
     label = spec_label(spec)
-    if label in ("none", "auto"):
-        return {"none": "baseline", "auto": "auto"}[label]
-    return f"D={spec.num_draft_tokens} {shape_label(spec)}" + (" calibrated" if spec.selection == "calibrated" else "")
+    return "baseline" if label == "none" else label
 
 
 def _progress(cfg: StudyConfig):

@@ -127,9 +127,6 @@ class SafetensorsFolder(Mapping):
     def __len__(self) -> int:
         return len(self._file_of)
 
-    def file_of(self, name: str) -> Path:
-        return self._file_of[name]
-
     def _slice(self, name: str):
         path = self._file_of[name]
         try:

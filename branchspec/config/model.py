@@ -225,11 +225,6 @@ class ModelConfig:
     def has_indexer(self) -> bool:
         return any(c.indexer for c in self.compressed_kinds)
 
-    @property
-    def num_streams(self) -> int:
-        """Residual streams per token: hc_mult with hyper-connections, else 1."""
-        return max(self.hc_mult, 1)
-
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["compress_ratios"] = list(self.compress_ratios)

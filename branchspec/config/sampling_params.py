@@ -138,10 +138,6 @@ class SamplingParams:
         """The temperature the sampler uses: 0.0 for greedy requests."""
         return 0.0 if self.greedy else self.temperature
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
     def choices(self) -> list["SamplingParams"]:
         """The n single-sample requests this one stands for (itself when n is 1): sample i
         is seeded seed + i (mod 2**64) when a seed is given, else draws its own."""

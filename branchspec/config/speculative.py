@@ -194,7 +194,7 @@ def spec_label(spec: "SpecConfig | AutoPolicy | None") -> str:
 
 @dataclass(frozen=True)
 class AutoPolicy:
-    """Speculation chosen per round (`SpecConfig.auto`). See `spec/policy.py`.
+    """Speculation chosen per round (`SpecConfig.auto`). See `speculative/policy/`.
 
     candidates: SpecConfigs, and None for a plain decode step. How fast the measured
     acceptance forgets is the engine's (`calibration.AcceptanceModel`), shared with the

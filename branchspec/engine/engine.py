@@ -28,7 +28,7 @@ from branchspec.speculative.draft_vocab import DraftVocab
 from branchspec.speculative.drafter import MTPDrafter
 from branchspec.speculative.footprint import RoundLimits, available_memory, check_pool_memory
 from branchspec.speculative.policy import BatchView, SpecPolicy, make_policy
-from branchspec.speculative.round import RoundResult
+from branchspec.speculative.outcome import RoundResult
 
 
 class Engine:
@@ -67,7 +67,7 @@ class Engine:
         self.num_steps = 0          # decode steps and speculative rounds run over the batch
         self.num_spec_rounds = 0    # of them, speculative rounds
         self.num_preemptions = 0    # requests put back to make room (recomputed later)
-        # Wall time per phase (prefill, draft, plan, verify, ...), summed until reset.
+        # Wall time per phase (prefill, then `ROUND_PHASES`), summed until reset.
         self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         # Unseeded requests draw their seeds from here: a fixed engine seed makes a whole run
         # reproducible, None (the default) makes every run differ.

@@ -24,7 +24,8 @@ from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.sampling import SamplingBatch, emitted_logprobs, logprob_dicts, node_draws, target_tokens
 from branchspec.speculative.drafter import Drafter
-from branchspec.speculative.round import RoundBatch, RoundResult, SpeculativeRound
+from branchspec.speculative.outcome import RoundResult
+from branchspec.speculative.round import RoundBatch, SpeculativeRound
 
 
 # What one more prefill call costs beyond its tokens, in padded tokens' worth: the price
@@ -251,7 +252,6 @@ class ModelRunner:
                 out = self.executor.decode(roots, ids, L)      # fed through the target and committed
             else:
                 out, tokens = self.executor.decode_and_draw(roots, ids, L, draws)
-        clock.lap("verify")
         if draws is None:
             logits = process_logits(out.logits, batch.sampling.rules, NodePaths.single(batch.size))   # [B, 1, V]
             # The root sits at position L: the token drawn is at L + 1.
@@ -261,6 +261,6 @@ class ModelRunner:
             self.drafter.follow(ids, L, roots, out.hidden, [1] * batch.size, now=False)
         nodes = torch.zeros(batch.size, 1, dtype=torch.long)
         logprobs = emitted_logprobs(out.logits, nodes, emitted, batch.sampling.num_logprobs)
-        clock.lap("accept")
+        clock.lap("verify")     # a plain step is its target forward and its tokens, as a round's verify is
         return RoundResult(spec=None, emitted=emitted, path_len=[1] * batch.size, logprobs=logprobs,
                            phase_seconds=clock.seconds, seconds=time.perf_counter() - t0)

@@ -17,9 +17,6 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
         self._last = time.perf_counter()
 
-    def restart(self) -> None:
-        self._last = time.perf_counter()
-
     def lap(self, phase: str) -> None:
         if self.sync:
             torch.cuda.synchronize()

@@ -38,6 +38,7 @@ from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
 from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
 from branchspec.speculative.draft_vocab import DraftVocab
+from branchspec.speculative.selection import selection_of
 from branchspec.speculative.growth import GrowthInputs, GrowthPlan, grow_trees
 from branchspec.speculative.tree import DraftTree
 
@@ -287,10 +288,7 @@ class MTPDrafter:
         prev_hidden = torch.stack([self.states[sid].last_hidden for sid in seq_ids])   # [B, d]
         root = self._roots_ahead(seq_ids, lengths.tolist())
         temps = temperature or [0.0] * len(seq_ids)
-        log_q = None
-        if spec.selection == "calibrated":
-            log_q = self.calibration.log_factors(seq_ids, [SAMPLED if t > 0 else GREEDY for t in temps],
-                                                 spec.num_steps, spec.topk)
+        log_q = selection_of(spec).log_factors(self.calibration, seq_ids, temps, spec)
         scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=roots.device)   # [B]
         tables = self.cache.block_tables(seq_ids, ("mtp",), self.executor.addressing)
         return self._grow(roots, prev_hidden, lengths, tables, spec, root, log_q, scale)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from branchspec.cache.paged import BlockTables, read_mtp
+from branchspec.config import SpecConfig
 from branchspec.model.attention import LayerState
 from branchspec.model.metadata import build_meta
 from branchspec.model.model import Transformer
@@ -35,8 +36,10 @@ class GrowthPlan:
 
     @property
     def label(self) -> str:
-        return (f"s{self.num_steps}k{self.topk}d{self.num_draft_tokens}" + ("-cal" if self.calibrated else "")
-                + ("-rv" if self.reduced_vocab else ""))
+        """Its configuration's label (`SpecConfig.label`), and whether it drafts a reduced vocabulary."""
+        spec = SpecConfig(self.num_steps, self.topk, self.num_draft_tokens,
+                          selection="calibrated" if self.calibrated else "eagle2")
+        return spec.label + (" reduced vocab" if self.reduced_vocab else "")
 
 
 @dataclass

@@ -1,16 +1,15 @@
-"""The verify pass: one target forward over every node of every draft tree and, for most
-requests, their acceptance and commit in the same call.
+"""The verify pass: one target forward over every node of every draft tree, and the
+round's acceptance and commit for every request (`verify_trees`: the one place a round
+accepts).
 
 A request whose token at a node is the argmax of the raw logits (temperature 0), or a
 draw from them at its temperature alone (no top-p, top-k or min-p cut), needs nothing but
 the verify's own logits and its seeded uniforms (`sampling.node_draws`), so it is accepted
-and committed inside the call (`SamplingBatch.untouched`): on the fast path that is one
-compiled graph, where accepting and committing took about a millisecond of eager ops
-between graphs in a greedy batch-1 round, and 2.2 ms in a sampled one (4x2 D = 8). The
-others (a cut, or logits rules) get the same forward; their tokens are drawn from its
-logits afterwards (`sampling.target_tokens`) and their paths committed by
-`Executor.commit`. Nothing a tree produces reaches the pools unless it is on its
-request's accepted path.
+and committed inside the forward's own call (`verify_pass`; `SamplingBatch.untouched`): on
+the fast path that is one compiled graph. The others (a cut, or logits rules) get the same
+forward; their tokens are drawn from its logits afterwards (`sampling.target_tokens`) and
+their paths committed by `Executor.commit`. Nothing a tree produces reaches the pools
+unless it is on its request's accepted path.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from branchspec.cache.paged import AddressInputs, locate, read_states, write_nod
 from branchspec.execution import Executor
 from branchspec.model.metadata import ForwardMeta, tree_meta
 from branchspec.model.model import ForwardOutput, Transformer
-from branchspec.sampling import NodeDraws, draw_tokens
+from branchspec.logits_process import NodePaths, process_logits
+from branchspec.sampling import NodeDraws, SamplingBatch, draw_tokens, node_draws, target_tokens
 from branchspec.speculative.accept import Acceptance, accept
 
 
@@ -58,9 +58,9 @@ class VerifyInputs:
 class Verified:
     out: ForwardOutput            # logits [B, D, V], hidden [B, D, n*d], scratch
     meta: ForwardMeta             # the trees' plan (positions, ancestors, completions)
-    # Every row's path by the call's own token at each node (the argmax, or the draw of a
-    # row in `draws`): for the rows accepted in the call the accepted path, already
-    # committed; for the others only a by-product, replaced by their draws afterwards.
+    # From `verify_trees`: every row's accepted path, committed. From `verify_pass` alone:
+    # every row's path by the call's own token at each node (the argmax, or the draw of a
+    # row in `draws`), committed for the rows in the call.
     acceptance: Acceptance
 
 
@@ -84,9 +84,9 @@ def verify_forward(model: Transformer, plan: VerifyPlan, x: VerifyInputs, shared
     return Verified(out=out, meta=meta, acceptance=acc)
 
 
-def verify_trees(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int],
-                 lengths: torch.Tensor, in_call: torch.Tensor, max_path_len: torch.Tensor,
-                 draws: NodeDraws | None = None) -> Verified:
+def verify_pass(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int],
+                lengths: torch.Tensor, in_call: torch.Tensor, max_path_len: torch.Tensor,
+                draws: NodeDraws | None = None) -> Verified:
     """`verify_forward` over draft trees tokens, parents [B, D] on top of lengths [B]
     committed tokens, through `executor` on its paged state (their pages reserved first);
     in_call [B] bool: the rows to accept and commit in the call; max_path_len [B]; draws:
@@ -97,3 +97,36 @@ def verify_trees(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor
                           state=executor.cache.address_inputs(seq_ids, lengths, executor.addressing), in_call=in_call,
                           max_path_len=max_path_len, draws=draws)
     return executor.graph(verify_forward, plan, inputs, {}, pools=True)
+
+
+def verify_trees(executor: Executor, tokens: torch.Tensor, parents: torch.Tensor, seq_ids: list[int],
+                 lengths: torch.Tensor, sampling: SamplingBatch, max_path_len: torch.Tensor) -> Verified:
+    """Verify draft trees tokens, parents [B, D] on top of lengths [B] committed tokens, and
+    accept and commit every request's path: the target's token at each node (the argmax,
+    or a draw by `sampling`, so the output is exactly the target's distribution), the path
+    those tokens take through its tree (at most max_path_len [B] nodes: a round never
+    commits past a request's token budget), and that path's state written to the pools.
+    Rows decoded by the argmax or their temperature alone are accepted and committed in the
+    forward's own call (`verify_pass`); the others' tokens are drawn from its logits
+    through their rules (bias, min_tokens, penalties, cuts) and their paths committed
+    after it. Returns the forward's outputs, the trees' plan and the final acceptance."""
+    device = lengths.device
+    untouched = sampling.untouched()                                                    # [B]
+    in_call = untouched.to(device)
+    draws = node_draws(sampling, untouched, lengths, tokens.shape[1], device)
+    verified = verify_pass(executor, tokens, parents, seq_ids, lengths, in_call, max_path_len, draws)
+    if bool(untouched.all()):
+        return verified
+    out, meta, by_call = verified.out, verified.meta, verified.acceptance
+    # Each node's own rules see only its own prefix: the committed output and its path in
+    # the tree. Logprobs stay the raw logits'.
+    logits = process_logits(out.logits, sampling.rules, NodePaths.tree(tokens, meta.ancestor))
+    # Each node sits at L + its depth and draws the token one further.
+    drawn = accept(tokens, parents, meta.ancestor, target_tokens(logits, sampling, meta.positions + 1), max_path_len)
+    rows = in_call[:, None]
+    acc = Acceptance(path=torch.where(rows, by_call.path, drawn.path),
+                     path_len=torch.where(in_call, by_call.path_len, drawn.path_len),
+                     keep=torch.where(rows, by_call.keep, drawn.keep),
+                     bonus=torch.where(in_call, by_call.bonus, drawn.bonus))
+    executor.commit(seq_ids, meta, out.scratch, acc.keep & ~rows)
+    return Verified(out=out, meta=meta, acceptance=acc)

@@ -58,7 +58,7 @@ from branchspec.speculative.footprint import RoundLimits
 from branchspec.speculative.policy.base import BatchView, check_speculation
 from branchspec.speculative.policy.costs import CostModel
 from branchspec.speculative.policy.tuning import TUNING, Tuning
-from branchspec.speculative.round import RoundResult
+from branchspec.speculative.outcome import RoundResult
 
 KINDS = ("chain", "tree")
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from branchspec.config import ModelConfig, SpecConfig
 from branchspec.speculative.footprint import RoundLimits, check_round_memory
-from branchspec.speculative.round import RoundResult
+from branchspec.speculative.outcome import RoundResult
 
 
 @dataclass(frozen=True)

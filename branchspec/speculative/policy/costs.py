@@ -28,7 +28,7 @@ from branchspec.speculative.policy.tuning import TUNING, Tuning
 # The calls a round makes, each timed on its own grid: "target" the plain decode step (1
 # token) and the verify pass (D nodes), by new tokens per request; "draft" a candidate's
 # whole drafting (the drafter's `propose`: its growth, one graph when compiled, and for a
-# calibrated selection the factors it reads), by growth (`growth_key`); "extend" the draft
+# calibrated selection the factors it reads), by growth (the candidate's label: steps, topk, D and selection); "extend" the draft
 # extend over the path and the next root (D + 1 nodes); "catch_up" the drafter over
 # positions it did not follow (a deferred prompt, plain rounds), in chunks of tokens.
 FORWARDS = ("target", "draft", "extend", "catch_up")
@@ -39,16 +39,11 @@ CATCH_UP_TOKENS = (1, 16, 64)
 CONTEXTS = (128, 512)
 
 
-def growth_key(spec: SpecConfig) -> str:
-    """What a candidate's drafting cost depends on: its growth (steps, topk, D, selection)."""
-    return f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}" + ("-cal" if spec.selection == "calibrated" else "")
-
-
 def grid_tokens(candidates: tuple[SpecConfig | None, ...]) -> dict[str, tuple]:
     """What each call is timed at under these candidates: node counts, or growth keys."""
     specs = [c for c in candidates if c is not None]
     return {"target": tuple(sorted({1} | {c.num_draft_tokens for c in specs})),
-            "draft": tuple(sorted({growth_key(c) for c in specs})),
+            "draft": tuple(sorted({c.label for c in specs})),
             "extend": tuple(sorted({c.num_draft_tokens + 1 for c in specs})),
             "catch_up": CATCH_UP_TOKENS}
 
@@ -182,7 +177,7 @@ class CostModel:
 
     def _draft(self, spec: SpecConfig, batch: int, context: int) -> float:
         keys = self.grids["draft"][0]
-        key = growth_key(spec)
+        key = spec.label
         if key not in keys:           # not timed: its frontier steps as extend-sized forwards
             return (spec.num_steps - 1) * self._at("extend", batch, spec.topk, context)
         return float(self._row("draft", batch, context)[keys.index(key)])
@@ -331,7 +326,7 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
     cfg = model.cfg
     p = model.embed.weight
     tokens = grid_tokens(candidates)
-    growths = {growth_key(c): c for c in candidates if c is not None}
+    growths = {c.label: c for c in candidates if c is not None}
     batches = calibration_batches(max_batch_size)
     most = max(max(t) for name, t in tokens.items() if name not in BY_GROWTH and t)
     contexts = calibration_contexts(cfg.max_position, most)
@@ -388,10 +383,10 @@ class _Calls:
 
     def of(self, name: str, n: int):
         """The plain decode step (n = 1) or a verify pass over a chain-shaped tree of n
-        nodes (`verify.verify_trees`); a draft extend of n nodes (a path of n - 1 and the next root); a catch-up
+        nodes (`verify.verify_pass`); a draft extend of n nodes (a path of n - 1 and the next root); a catch-up
         chunk of n positions."""
         from branchspec.model.metadata import chain_meta
-        from branchspec.speculative.verify import verify_trees
+        from branchspec.speculative.verify import verify_pass
 
         ex, ids, L = self.ex, self.ids, self.L
         new = self._tokens(n)
@@ -407,7 +402,7 @@ class _Calls:
             # the private state stays as it is).
             in_call = torch.zeros(B, dtype=torch.bool, device=new.device)
             most = torch.full((B,), n, device=new.device)
-            return lambda: verify_trees(ex, new, parents, ids, L, in_call, most)
+            return lambda: verify_pass(ex, new, parents, ids, L, in_call, most)
         if name == "extend":
             return self._extend(n - 1)
         prev = self.hidden.expand(B, n, self.hidden.shape[-1])

@@ -7,7 +7,7 @@ from collections import Counter
 from branchspec.config import ModelConfig, SpecConfig, spec_label
 from branchspec.speculative.footprint import RoundLimits
 from branchspec.speculative.policy.base import BatchView, check_speculation
-from branchspec.speculative.round import RoundResult
+from branchspec.speculative.outcome import RoundResult
 
 
 class FixedPolicy:
