@@ -595,7 +595,7 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     # Timed as these candidates' rounds run: plain decoding and D = 3, 4 verifies; each
     # candidate's drafting; draft extends of D + 1 = 4, 5 nodes.
     assert first.grids["target"][0] == (1, 3, 4) and first.grids["extend"][0] == (4, 5)
-    assert first.grids["draft"][0] == ("s2k1d3", "s2k2d4")
+    assert first.grids["draft"][0] == ("chain D=3", "tree 2x2 D=4")
     # a tree's drafting (a frontier step of two nodes after the root) against a chain's (one)
     assert (first.grids["draft"][1][:, 1] > 0.5 * first.grids["draft"][1][:, 0]).all()
     assert all((seconds > 0).all() for _, seconds in first.grids.values())
