@@ -13,7 +13,6 @@ import json
 import math
 import platform
 import statistics
-import time
 from collections import deque
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 from branchspec.config import SpecConfig, spec_label
 from branchspec.disk_cache import cache_dir, source_digest
-from branchspec.execution.threads import one_row_products
+from branchspec.speculative.round_calls import RoundCalls, median_seconds
 from branchspec.speculative.policy.tuning import TUNING, Tuning
 
 # The calls a round makes, each timed on its own grid: "target" the plain decode step (1
@@ -295,21 +294,6 @@ def calibration_contexts(max_position: int, most_tokens: int) -> tuple[int, ...]
     return tuple(sorted({max(1, min(c, room)) for c in CONTEXTS}))
 
 
-def _median_seconds(runs: list, repeats: int) -> list[float]:
-    """Median wall time of each of `runs` over `repeats` calls, after one untimed warm-up
-    call each, the calls taken in turn (one of each run per pass): on a shared machine a
-    slow spell then falls on every run alike, so the ratios between them, which are what
-    the policy compares, hold even when the absolute times move."""
-    times = [[] for _ in runs]
-    for i in range(repeats + 1):
-        for run, ts in zip(runs, times):
-            t0 = time.perf_counter()
-            run()
-            if i:
-                ts.append(time.perf_counter() - t0)
-    return [float(np.median(ts)) for ts in times]
-
-
 @torch.no_grad()
 def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...], repeats: int = 3,
               progress: bool = False, vocab=None) -> CostModel:
@@ -357,76 +341,16 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
             if drafter is not None:
                 for b, sid in enumerate(ids):
                     drafter.states[sid] = DrafterState(last_hidden=out.hidden[b, -1])
-            call = _Calls(ex, drafter, out.hidden[:, -1:], ids, L, gen)
+            call = RoundCalls(ex, drafter, out.hidden[:, -1:], ids, L, gen)
             cells = [(name, j, call.draft(growths[key]) if name == "draft" else call.of(name, int(key)))
                      for name, keys in tokens.items() for j, key in enumerate(keys)]
-            for (name, j, _), seconds in zip(cells, _median_seconds([run for *_, run in cells], repeats)):
+            for (name, j, _), seconds in zip(cells, median_seconds([run for *_, run in cells], repeats, p.device)):
                 grids[name][i, j, k] = seconds
             if bar is not None:
                 bar.update(len(cells))
     if bar is not None:
         bar.close()
     return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
-
-
-class _Calls:
-    """The calls a round makes, as it makes them, over B requests with L [B] committed
-    tokens whose last target hidden state is hidden [B, 1, d]: each returns a function
-    that makes one call."""
-
-    def __init__(self, ex, drafter, hidden: torch.Tensor, ids: list[int], L: torch.Tensor, gen: torch.Generator):
-        self.ex, self.drafter, self.hidden, self.ids, self.L, self.gen = ex, drafter, hidden, ids, L, gen
-        self.vocab = ex.model.cfg.vocab_size
-
-    def _tokens(self, n: int) -> torch.Tensor:
-        return torch.randint(3, self.vocab, (len(self.ids), n), generator=self.gen).to(self.L.device)
-
-    def of(self, name: str, n: int):
-        """The plain decode step (n = 1) or a verify pass over a chain-shaped tree of n
-        nodes (`verify.verify_pass`); a draft extend of n nodes (a path of n - 1 and the next root); a catch-up
-        chunk of n positions."""
-        from branchspec.model.metadata import chain_meta
-        from branchspec.speculative.verify import verify_pass
-
-        ex, ids, L = self.ex, self.ids, self.L
-        new = self._tokens(n)
-        B = len(ids)
-        if name == "target":
-            if n == 1:     # as the runner runs it (`engine.runner.ModelRunner.decode`)
-                def plain():
-                    with one_row_products(B, L.device):
-                        return ex.decode(new, ids, L)
-                return plain
-            parents = torch.arange(-1, n - 1, device=new.device).expand(B, n)
-            # As a round's verify runs, its greedy commit included (written to the sink here:
-            # the private state stays as it is).
-            in_call = torch.zeros(B, dtype=torch.bool, device=new.device)
-            most = torch.full((B,), n, device=new.device)
-            return lambda: verify_pass(ex, new, parents, ids, L, in_call, most)
-        if name == "extend":
-            return self._extend(n - 1)
-        prev = self.hidden.expand(B, n, self.hidden.shape[-1])
-        return lambda: ex.drafter_prefill(new, prev, chain_meta(L, n, ()), ex.cache.gather_mtp(ids, L))
-
-    def _extend(self, D: int):
-        """A draft extend after a round that accepted D nodes ending at L - 1: its next
-        root lands at L, where a round's drafting starts."""
-        B = len(self.ids)
-        start = (self.L - D).clamp(min=0)
-        path_tokens = self._tokens(D)
-        hidden = self.hidden.expand(B, D, self.hidden.shape[-1])
-        path = torch.arange(D, device=self.L.device).expand(B, D)
-        path_len = torch.full((B,), D, dtype=torch.long, device=self.L.device)
-        bonus = self._tokens(1)[:, 0]
-        return lambda: self.drafter.extend(self.ids, start, path_tokens, hidden, path, path_len, bonus, D)
-
-    def draft(self, spec: SpecConfig):
-        """A round's drafting (`propose`) of `spec`, from a root the last extend computed
-        (an extend of the width the candidate's rounds run, so no other graph is needed)."""
-        self._extend(spec.num_draft_tokens)()
-        roots = self._tokens(1)[:, 0]
-        greedy = [0.0] * len(self.ids)
-        return lambda: self.drafter.propose(self.ids, self.L, roots, spec, greedy)
 
 
 def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
