@@ -360,3 +360,40 @@ def v4_mini_v2_config(**overrides) -> ModelConfig:
                 swiglu_limit=10.0)
     base.update(overrides)
     return v4_mini_config(**base)
+
+
+# DeepSeek-V4-Flash: 43 layers, [0, 0, (4, 128) x 20, 4].
+V4_FLASH_LAYERS = 43
+V4_FLASH_PAIRS = 20
+
+
+def v4_flash_slice_config(pairs: int = 1, **overrides) -> ModelConfig:
+    """DeepSeek-V4-Flash's per-layer shapes at reduced depth, for measuring what its rounds
+    cost (random weights; no checkpoint has this shape): the layer pattern [0, 0, (4, 128)
+    x pairs, 4] and the MTP block, each layer exactly as wide as V4-Flash's (hidden 4096,
+    64 query heads over one 512-wide KV head, rope 64, q_lora 1024, 8 output groups to
+    o_lora 1024, window 128, a 64 x 128 indexer keeping 512 entries, 4 mHC streams, MoE of
+    2048-wide experts, top 6, plus a shared one; vocabulary 129,280).
+
+    What it changes (docs/results.md, "The paper's regime"): 6 routed experts instead of
+    256, so every token runs all 6, as many as it would choose: a token's arithmetic is
+    V4-Flash's, but a batch reads 6 experts' weights where V4-Flash's tokens, choosing
+    among 256, read more the more tokens there are. No hash-routed layers (a routing
+    rule, the same work). Positions up to 65,536.
+    """
+    require(isinstance(pairs, int) and not isinstance(pairs, bool) and pairs >= 0,
+            f"pairs (of C4 and C128 layers) must be an integer >= 0, got {pairs!r}")
+    base = dict(vocab_size=129280, d_model=4096, num_layers=3 + 2 * pairs,
+                compress_ratios=(0, 0) + (4, 128) * pairs + (4,),
+                num_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024, window=128,
+                index_num_heads=64, index_head_dim=128, index_topk=512, ffn_hidden=2048,
+                max_position=65536, rope_theta=10000.0, compress_rope_theta=160000.0,
+                yarn_factor=16.0, yarn_original_max_position=65536,
+                o_groups=8, o_lora_rank=1024, hc_mult=4, hc_sinkhorn_iters=20,
+                num_experts=6, num_experts_per_tok=6, num_shared_experts=1, moe_hidden=2048,
+                scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, num_hash_layers=0,
+                swiglu_limit=10.0)
+    if "num_layers" not in overrides and "compress_ratios" in overrides:
+        base["num_layers"] = len(overrides["compress_ratios"])
+    base.update(overrides)
+    return ModelConfig(**base)
