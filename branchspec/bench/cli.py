@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from branchspec.bench.grid import DEFAULT_MAX_SHAPES, parse_tree_shapes
 from branchspec.cli_paths import readable_folder, writable_folder
@@ -75,6 +76,18 @@ def _name_list(text: str) -> tuple[str, ...]:
     return values
 
 
+def _named_paths(text: str) -> dict[str, str]:
+    if text.strip().lower() == "none":
+        return {}
+    out = {}
+    for item in _name_list(text):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=FILE (e.g. greedy=results.jsonl), got {item!r}")
+        out[name.strip()] = path.strip()
+    return out
+
+
 def _shapes(text: str):
     try:
         return tuple(parse_tree_shapes(text))
@@ -126,7 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="eagle2 (the paper's node selection, by cumulative draft probability) and optionally "
                         "calibrated (by measured acceptance: the same shapes plus (D-1)x2 and (D-1)x3); "
                         "default: eagle2")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float32 for the study (default); with --regime, bfloat16 where the device has native "
+                        "bf16 products, else float32")
     p.add_argument("--compile", action="store_true",
                    help="run the compiled fast path (compiles every graph the grid needs first; eager is the default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -137,6 +152,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("the paper's regime (--regime)")
+    g.add_argument("--regime", action="store_true",
+                   help="instead of the study: time one plain step and each part of a speculative round at "
+                        "DeepSeek-V4-Flash's layer shapes (random weights, two reduced depths), project them to its "
+                        "43 layers, and project throughput from accept lengths; writes regime.json, regime.md and "
+                        "regime.png into --out (--quick: a few minutes on 2 CPU cores)")
+    g.add_argument("--contexts", type=_int_list, default=None, metavar="N[,N..]",
+                   help="committed tokens per request (default: 1024,8192 with --quick on a CPU, else "
+                        "1024,8192,32768)")
+    g.add_argument("--regime-pairs", type=_int_list, default=None, metavar="P0,P1",
+                   help="the two depths measured, in (C4, C128) layer pairs after the first three layers "
+                        "(default: 0,1 on a CPU, 1,3 on a GPU)")
+    g.add_argument("--regime-repeats", type=int, default=None, metavar="N",
+                   help="timed calls per cost, medians taken (default: 3 with --quick on a CPU, else 5)")
+    g.add_argument("--accept-lengths", type=_named_paths, default=None, metavar="NAME=FILE[,..]|none",
+                   help="a study's results.jsonl per name, whose accept lengths the projection uses beside the "
+                        "paper's (default: this checkout's docs/results greedy and sampled studies, where present)")
     p.add_argument("--report-only", metavar="DIR", default=None,
                    help="rebuild report.md and the plots from DIR/results.jsonl (e.g. of an interrupted "
                         "sweep) without running anything")
@@ -162,7 +194,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         mbpp_path=args.mbpp_path,
         # Workloads the user named must all run; the preset's may drop MBPP when it has no source.
         mbpp_optional=args.workloads is None,
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         compile=args.compile,
         device=args.device,
         cuda_graphs=False if args.disable_cuda_graph else None,
@@ -181,6 +213,8 @@ def main(args: argparse.Namespace) -> int:
     (2 with an argparse-style message for a configuration that cannot work)."""
     from branchspec.bench.report import console_tables
 
+    if getattr(args, "regime", False):
+        return regime_main(args)
     if getattr(args, "report_only", None):
         try:
             cells, comparisons, summary = report_from_results(args.report_only)
@@ -190,6 +224,10 @@ def main(args: argparse.Namespace) -> int:
         print(console_tables(cells, comparisons))
         print(json.dumps(summary))
         return 0
+    stray = _given(args, REGIME_ONLY)
+    if stray:
+        print(f"branchspec bench: error: {', '.join(stray)} need --regime", file=sys.stderr)
+        return 2
     try:
         if args.model is not None:      # before any work, as the study's first write
             readable_folder("--model", args.model)
@@ -208,6 +246,69 @@ def main(args: argparse.Namespace) -> int:
     print(console_tables(result.cells, result.comparisons))
     print(f"\nwrote {', '.join(str(p) for p in result.files.values())}")
     print(json.dumps(result.summary))
+    return 0
+
+
+# Study flags the regime run does not use: given with --regime, they are refused, not ignored.
+STUDY_ONLY = ("model", "workloads", "tree_shapes", "max_tree_shapes", "max_tokens", "num_prompts",
+              "max_prompt_tokens", "temperature", "seed", "mbpp_path", "policies", "policy_repeats", "selections",
+              "speculative_token_map", "report_only")
+REGIME_ONLY = ("contexts", "regime_pairs", "regime_repeats", "accept_lengths")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    defaults = build_parser().parse_args([])
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) != getattr(defaults, n)]
+
+
+def regime_plan_from_args(args: argparse.Namespace):
+    """The regime's plan: the device's preset under the flags given; ValueError for flags
+    that do not apply or values that cannot work."""
+    from branchspec.bench.regime import default_plan
+
+    stray = _given(args, STUDY_ONLY)
+    if stray:
+        raise ValueError(f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to --regime, which "
+                         "measures random weights of V4-Flash's shapes, not workloads")
+    if args.regime_pairs is not None and len(args.regime_pairs) != 2:
+        raise ValueError(f"--regime-pairs takes two depths, got {args.regime_pairs}")
+    gpu = args.device.startswith("cuda")
+    path = ("eager" if args.disable_cuda_graph and not args.compile else "compiled" if args.disable_cuda_graph
+            else "graphs") if gpu else ("compiled" if args.compile else "eager")
+    if args.disable_cuda_graph and not gpu:
+        raise ValueError("--disable-cuda-graph applies to a GPU (--device cuda); on a CPU nothing is captured")
+    return default_plan(args.device, args.quick, batch_sizes=args.batch_sizes, contexts=args.contexts,
+                        nodes=args.budgets, pairs=tuple(args.regime_pairs) if args.regime_pairs else None,
+                        repeats=args.regime_repeats, dtype=args.dtype or "auto", path=path,
+                        progress=not args.no_progress)
+
+
+def regime_main(args: argparse.Namespace) -> int:
+    """`branchspec bench --regime`: measure, project, print regime.md, then one JSON line."""
+    from branchspec.bench.projection import default_studies, study_accept_lengths
+    from branchspec.bench.regime import run
+
+    try:
+        writable_folder("--out", args.out)
+        plan = regime_plan_from_args(args)
+        named = default_studies() if args.accept_lengths is None else args.accept_lengths
+        studies = {}
+        for name, path in named.items():
+            try:
+                studies[name] = study_accept_lengths(path)
+            except (OSError, ValueError, KeyError) as e:
+                raise ValueError(f"--accept-lengths {name}={path}: not a study's results.jsonl ({e})") from None
+    except (ValueError, FileNotFoundError) as e:
+        print(f"branchspec bench: error: {e}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    payload = run(plan, args.out, studies, plots=not args.no_plots)
+    out = Path(args.out)
+    print((out / "regime.md").read_text())
+    print(f"wrote {', '.join(str(out / n) for n in ('regime.json', 'regime.md', 'regime.png') if (out / n).exists())}")
+    print(json.dumps({"regime": payload["environment"], "wall_seconds": round(payload["wall_seconds"], 1)}))
     return 0
 
 
