@@ -20,6 +20,11 @@ Phases:
    once each configuration is warm (compiling is the slow part, paid once).
 3. throughput: per path and batch, the best speculative configuration against plain
    decoding on that path, and every path against compiled + graphs' plain decoding.
+4. regime (not in the default phases; run it on its own, `--phases regime`): the paper's
+   regime (`branchspec bench --regime`): one plain step and each part of a round at
+   DeepSeek-V4-Flash's layer shapes, bfloat16, CUDA graphs, batch 1 to 64, contexts 1k to
+   32k, projected to 43 layers; the costs measured so far are written after every
+   (depth, batch), regime.md beside the JSON at the end.
 
 Needs nothing but torch, numpy, safetensors, tokenizers and tqdm (no server or data-set
 packages). On a CPU the CUDA-graph path runs with `graphs.StaticCalls` standing in for
@@ -264,6 +269,29 @@ def throughput(phase: dict, step_rows: list[dict]) -> None:
                   f"{row['best_over_plain']:.2f}x plain", flush=True)
 
 
+def regime(device: str, phase: dict, report: Report, quick: bool, out: Path) -> None:
+    """`bench.regime` on this device, its preset (quick: fewer batches and contexts), the
+    measured costs in the phase's rows as they come, the projection and regime.md at the
+    end."""
+    from branchspec.bench.projection import default_studies, project, study_accept_lengths
+    from branchspec.bench.regime import default_plan, measure, to_json
+    from branchspec.bench.regime_report import regime_markdown
+
+    plan = default_plan(device, quick, progress=False)
+    start = time.monotonic()
+
+    def keep(measured):
+        phase["rows"] = to_json(plan, measured, None, time.monotonic() - start)["depths"]
+        report.write()
+
+    measured = measure(plan, on_result=keep)
+    studies = {name: study_accept_lengths(path) for name, path in default_studies().items()}
+    payload = json.loads(json.dumps(to_json(plan, measured, project(measured, studies),
+                                            time.monotonic() - start)))
+    phase["regime"] = payload
+    (out / "regime.md").write_text(regime_markdown(payload))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
@@ -281,12 +309,12 @@ def main() -> int:
         torch.backends.cudnn.allow_tf32 = False
     report = Report(args.out, args.device)
     phases = [p for p in args.phases.split(",") if p]
-    unknown = set(phases) - {"equivalence", "steps", "throughput"}
+    unknown = set(phases) - {"equivalence", "steps", "throughput", "regime"}
     if unknown:
         ap.error(f"unknown phases {sorted(unknown)}")
     # Shares of what is left when each starts: equivalence is cheap on a GPU, steps take the
     # rest (a CPU's float64 runs take longer: --quick gives equivalence more).
-    share = {"equivalence": 0.6 if args.quick else 0.3, "steps": 0.95, "throughput": 1.0}
+    share = {"equivalence": 0.6 if args.quick else 0.3, "steps": 0.95, "throughput": 1.0, "regime": 1.0}
     status = 0
     for name in phases:
         phase = report.phase(name)
@@ -302,6 +330,8 @@ def main() -> int:
                 elif name == "steps":
                     # Stop starting new configurations with a tenth of the phase left.
                     steps(args.device, phase, report, args.quick, deadline=start + 0.9 * limit)
+                elif name == "regime":
+                    regime(args.device, phase, report, args.quick, args.out)
                 else:
                     throughput(phase, report.phase("steps")["rows"])
             phase["status"] = "failed" if any(not c["ok"] for c in phase["checks"]) else "done"
