@@ -48,6 +48,6 @@ def test_the_regime_phase_keeps_its_rows_and_writes_its_table(tmp_path, monkeypa
     phase = report.phase("regime")
     gpu_check.regime("cpu", phase, report, True, tmp_path)
     written = json.loads((tmp_path / "gpu_check.json").read_text())["phases"]["regime"]
-    assert [d["num_layers"] for d in written["rows"]] == [3, 5]
+    assert [d["num_layers"] for d in written["rows"]] == [3, 7]
     assert phase["regime"]["projection"]["layers"] == 43
     assert "Verify cost of D nodes" in (tmp_path / "regime.md").read_text()

@@ -16,7 +16,8 @@ from branchspec.speculative.calibration import (GREEDY, HITS, NEW_REQUEST, SAMPL
                                                 AcceptanceModel)
 from branchspec.speculative.policy.acceptance import OFF, ExpectedAccept, candidate_paths
 from branchspec.speculative.policy.adaptive import AdaptivePolicy
-from branchspec.speculative.policy.costs import CostModel, calibration_batches, grid_tokens, load_or_calibrate
+from branchspec.speculative.policy.costs import CostModel, grid_tokens
+from branchspec.speculative.profiling import calibration_batches, load_or_calibrate
 from branchspec.speculative.policy.tuning import TUNING
 from branchspec.speculative.outcome import RoundResult
 from conftest import markov_batches
@@ -807,7 +808,7 @@ def test_round_costs_are_kept_per_execution_path(trained_ckpt):
     from branchspec.checkpoint import load_checkpoint
     from branchspec.execution.compiled import CompiledExecutor
     from branchspec.execution.eager import EagerExecutor
-    from branchspec.speculative.policy.costs import calibration_key
+    from branchspec.speculative.profiling import calibration_key
 
     model = load_checkpoint(trained_ckpt, "float32", expert_dispatch="dense")
     cache = PagedState(model.cfg, max_seqs=1, max_len=256)
@@ -824,7 +825,7 @@ def test_round_costs_are_kept_per_source(trained_ckpt, monkeypatch):
     from branchspec.cache.paged import PagedState
     from branchspec.checkpoint import load_checkpoint
     from branchspec.execution.eager import EagerExecutor
-    from branchspec.speculative.policy import costs
+    from branchspec.speculative import profiling as costs
 
     model = load_checkpoint(trained_ckpt, "float32")
     executor = EagerExecutor(model, PagedState(model.cfg, max_seqs=1, max_len=256))

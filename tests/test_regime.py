@@ -32,7 +32,7 @@ from branchspec.execution.eager import EagerExecutor
 from branchspec.model.init import allocated_random_model, random_model
 from branchspec.model.metadata import chain_meta
 from branchspec.model.model import Transformer
-from branchspec.speculative.round_calls import RoundCalls
+from branchspec.speculative.profiling import RoundCalls
 
 # V4-Flash's widths scaled down, everything else the slice's own (the layer pattern, MoE
 # with every expert chosen, 4 -> 2 mHC streams, grouped output, the indexer pruning).
@@ -220,12 +220,13 @@ def test_a_tiny_regime_run_writes_its_files(tmp_path):
     md = (tmp_path / "regime.md").read_text()
     assert "Verify cost of D nodes over one plain step" in md and "study x" in md and "paper low" in md
     measured = payload["depths"]
-    assert [d["num_layers"] for d in measured] == [3, 5]
+    assert [d["num_layers"] for d in measured] == [3, 7]
     for d in measured:
         for call, by_B in d["costs"].items():
             for by_ctx in by_B.values():
                 for by_D in by_ctx.values():
                     assert all(math.isfinite(s) and s > 0 for s in by_D.values())
+    assert "Noise: the chain's and the tree's verify passes" in md
     assert set(measured[0]["costs"]) == {"plain", "verify_chain", "verify_tree", "draft_chain", "draft_tree",
                                          "extend"}
     assert set(measured[1]["costs"]) == {"plain", "verify_chain", "verify_tree"}       # drafter: once
@@ -239,6 +240,19 @@ def test_a_tiny_regime_run_writes_its_files(tmp_path):
     measured, routed = variants[MEASURED]["costs"], variants[ROUTED]["costs"]
     assert routed["plain"]["1"]["40"]["1"] == measured["plain"]["1"]["40"]["1"]
     assert routed["draft_chain"] == measured["draft_chain"]
+
+
+def test_the_graphs_path_measures_every_call(tmp_path):
+    """The path a GPU takes (captured graphs, batch padded to its bucket, every entry up
+    to max_model_len addressed), with nothing recorded on a CPU: every call runs."""
+    from branchspec.bench.regime import measure
+
+    plan = RegimePlan(batch_sizes=(3,), contexts=(40,), nodes=(1, 4), repeats=1, progress=False, dtype="float32",
+                      path="graphs", config_overrides=TINY_SLICE)
+    measured = measure(plan)
+    calls = measured.depths[0].costs
+    assert set(calls) == {"plain", "verify_chain", "verify_tree", "draft_chain", "draft_tree", "extend"}
+    assert all(s > 0 for by_ctx in calls["verify_tree"].values() for by_D in by_ctx.values() for s in by_D.values())
 
 
 def test_tree_spec_and_parents():
@@ -262,4 +276,4 @@ def test_regime_flags_are_checked(capsys, tmp_path):
         parser.parse_args(["--regime", "--accept-lengths", "nameless"])
     plan = cli.regime_plan_from_args(parser.parse_args(["--regime", "--quick"]))
     assert plan.batch_sizes == (1, 4) and plan.contexts == (1024, 8192) and plan.path == "eager"
-    assert plan.budgets == tuple(range(1, 9)) and plan.pairs == (0, 1)
+    assert plan.budgets == tuple(range(1, 9)) and plan.pairs == (0, 2)

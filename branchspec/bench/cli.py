@@ -163,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "1024,8192,32768)")
     g.add_argument("--regime-pairs", type=_int_list, default=None, metavar="P0,P1",
                    help="the two depths measured, in (C4, C128) layer pairs after the first three layers "
-                        "(default: 0,1 on a CPU, 1,3 on a GPU)")
+                        "(default: 0,2 on a CPU, 1,3 on a GPU)")
     g.add_argument("--regime-repeats", type=int, default=None, metavar="N",
                    help="timed calls per cost, medians taken (default: 3 with --quick on a CPU, else 5)")
     g.add_argument("--accept-lengths", type=_named_paths, default=None, metavar="NAME=FILE[,..]|none",

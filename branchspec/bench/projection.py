@@ -212,7 +212,18 @@ def project_costs(costs: dict, studies: dict[str, dict] | None) -> dict:
                         "tree_vs_plain": speedup(acc["tree"], plain, tree),
                         "accept": acc}
     return {"costs": costs, "verify_over_plain": verify_ratio, "gains": gains,
-            "regularities": regularities(gains, batches, contexts)}
+            "regularities": regularities(gains, batches, contexts), "noise": verify_noise(costs)}
+
+
+def verify_noise(costs: dict) -> dict:
+    """How far the chain's and the tree's verify passes of the same D differ, projected:
+    they run as many nodes over the same state (only their plans differ), so this
+    measures how much a projected cost moves by chance. {"median", "max"}: of |tree /
+    chain - 1| over every (batch, context, D >= 3)."""
+    gaps = sorted(abs(costs["verify_tree"][B][ctx][D] / costs["verify_chain"][B][ctx][D] - 1.0)
+                  for B in costs["verify_chain"] for ctx in costs["verify_chain"][B]
+                  for D in costs["verify_chain"][B][ctx] if D >= 3)
+    return {"median": statistics.median(gaps), "max": gaps[-1]} if gaps else {}
 
 
 def regularities(gains: dict, batches: list[int], contexts: list[int]) -> dict:

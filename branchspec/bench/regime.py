@@ -4,7 +4,7 @@ committed contexts, on whatever device this runs on.
 
 The embedded model is too small to say whether the paper's regularities follow from the
 costs (on a CPU its verify rows are compute-bound at once, on a GPU it is all launches).
-Here every call a round makes (`speculative.round_calls.RoundCalls`) is timed on random
+Here every call a round makes (`speculative.profiling.RoundCalls`) is timed on random
 weights of V4-Flash's widths at two reduced depths, so that the cost of one (C4, C128)
 layer pair separates from the rest (embedding, LM head, the first layers) and the full
 43-layer model's costs follow by arithmetic (`bench.projection`).
@@ -57,10 +57,12 @@ class RegimePlan:
     batch_sizes: tuple[int, ...]
     contexts: tuple[int, ...]
     nodes: tuple[int, ...] = NODES
-    pairs: tuple[int, int] = (0, 1)
+    pairs: tuple[int, int] = (0, 2)
     device: str = "cpu"
     dtype: str = "auto"
-    path: str = "auto"               # eager | compiled | graphs | auto (graphs on a GPU, eager on a CPU)
+    # eager | compiled | graphs | auto (graphs on a GPU, eager on a CPU); graphs on a CPU run
+    # the same buffer logic with nothing recorded (`graphs.StaticCalls`), for tests
+    path: str = "auto"
     repeats: int = 2
     progress: bool = True
     seed: int = 0
@@ -77,8 +79,6 @@ class RegimePlan:
             raise ValueError(f"pairs must be two increasing depths >= 0 (in (4, 128) layer pairs), got {self.pairs}")
         if self.path not in ("auto", "eager", "compiled", "graphs"):
             raise ValueError(f"path must be auto, eager, compiled or graphs, got {self.path!r}")
-        if self.path == "graphs" and torch.device(self.device).type != "cuda":
-            raise ValueError("the graphs path captures CUDA graphs: it needs a GPU (device cuda)")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         most = max(self.contexts) + max(self.nodes) + 2
@@ -199,14 +199,14 @@ def measure(plan: RegimePlan, on_result=None) -> RegimeCosts:
     fraction of either, and a slow spell of a shared machine must fall on both alike."""
     from branchspec.execution import expert_dispatch
     from branchspec.model.init import allocated_random_model
-    from branchspec.speculative.round_calls import median_seconds
+    from branchspec.speculative.profiling import median_seconds
 
     device = torch.device(plan.device)
     dtype = resolve_regime_dtype(plan.dtype, device)
-    compile = resolve_path(plan.path, device) == "compiled"
+    dense = resolve_path(plan.path, device) in ("compiled", "graphs")
 
     models = [allocated_random_model(v4_flash_slice_config(pairs, **plan.config_overrides), dtype, device,
-                                     seed=plan.seed, expert_dispatch=expert_dispatch(compile, device))
+                                     seed=plan.seed, expert_dispatch=expert_dispatch(dense, device))
               for pairs in plan.pairs]
     results = [DepthCosts(pairs=pairs, num_layers=m.cfg.num_layers) for pairs, m in zip(plan.pairs, models)]
     measured = RegimeCosts(results, time_expert(models[0], expert_token_counts(plan), plan.repeats, device))
@@ -254,7 +254,7 @@ def time_expert(model, counts: tuple[int, ...], repeats: int, device: torch.devi
     it) over m tokens, for each m of `counts`: what V4-Flash's other 250 experts would add
     (`projection.expert_correction`)."""
     from branchspec.model.layers import Experts, swiglu
-    from branchspec.speculative.round_calls import median_seconds
+    from branchspec.speculative.profiling import median_seconds
 
     experts = next(m for m in model.modules() if isinstance(m, Experts))
     w1, w2, w3 = experts.w1[0], experts.w2[0], experts.w3[0]
@@ -270,7 +270,7 @@ def _round_calls(plan: RegimePlan, model, B: int, context: int, gen: torch.Gener
     from branchspec.cache.paged import PagedState
     from branchspec.execution import make_executor
     from branchspec.speculative.drafter import DrafterState, MTPDrafter
-    from branchspec.speculative.round_calls import RoundCalls
+    from branchspec.speculative.profiling import RoundCalls
 
     device, cfg = torch.device(plan.device), model.cfg
     path = resolve_path(plan.path, device)
@@ -280,7 +280,12 @@ def _round_calls(plan: RegimePlan, model, B: int, context: int, gen: torch.Gener
     cache = PagedState(cfg, max_seqs=B, max_len=context + most, page_size=16, dtype=model.embed.weight.dtype,
                        device=device)
     _fill_committed(cache, ids, context, most, gen)
-    ex = make_executor(model, cache, compile=path == "compiled", cuda_graphs=path == "graphs")
+    if path == "graphs" and device.type != "cuda":
+        from branchspec.execution.graphed import GraphExecutor
+        from branchspec.execution.graphs import StaticCalls
+        ex = GraphExecutor(model, cache, backend=StaticCalls())
+    else:
+        ex = make_executor(model, cache, compile=path == "compiled", cuda_graphs=path == "graphs")
     drafter = MTPDrafter(model, cache, ex)
     L = torch.full((B,), context, dtype=torch.long, device=device)
     hidden = torch.randn(B, 1, max(1, cfg.hc_mult) * cfg.d_model, generator=gen, device=device,

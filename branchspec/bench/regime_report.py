@@ -38,6 +38,11 @@ def regime_markdown(payload: dict) -> str:
                   ", ".join(f"{m}: {_ms(s)} ms" for m, s in sorted(experts.items())) + ".", ""]
     for name, variant in proj["variants"].items():
         lines += [f"## Costs with {name}", ""]
+        noise = variant.get("noise")
+        if noise:
+            lines += [f"Noise: the chain's and the tree's verify passes of the same D (the same work but for "
+                      f"their plans) differ by {noise['median'] * 100:.0f}% in the median, at most "
+                      f"{noise['max'] * 100:.0f}%, once projected; read single cells with that in mind.", ""]
         lines += _variant_tables(variant)
         lines += _gain_tables(variant)
         lines += _regularity_lines(variant.get("regularities", {}))

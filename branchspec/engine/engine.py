@@ -85,7 +85,7 @@ class Engine:
         except TypeError:     # unhashable: not a spec at all, and make_policy says so
             policy = None
         if policy is None:
-            from branchspec.speculative.policy.costs import load_or_calibrate
+            from branchspec.speculative.profiling import load_or_calibrate
 
             def costs(auto: AutoPolicy, show: bool = progress):
                 return load_or_calibrate(self.executor, self.config.max_batch_size, auto.candidates, progress=show,

@@ -20,7 +20,7 @@ def make_policy(spec: SpecConfig | AutoPolicy | None, costs: Callable[..., CostM
                 acceptance: AcceptanceModel | None = None) -> SpecPolicy:
     """The policy `spec` asks for. costs(auto_policy, progress=False): the round-cost model
     an adaptive policy prices its candidates with, called on its first need (see
-    `costs.load_or_calibrate`); acceptance: the engine's measured acceptance, which its
+    `profiling.load_or_calibrate`); acceptance: the engine's measured acceptance, which its
     rounds teach and an adaptive policy reads (its drafter's)."""
     if spec is None or isinstance(spec, SpecConfig):
         return FixedPolicy(spec)

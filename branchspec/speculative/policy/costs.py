@@ -1,27 +1,19 @@
 """Round costs: how long each candidate configuration's round takes at a batch size.
 
-The calls a round makes are timed once per machine, through the engine's own execution
-path (eager or compiled: the very graphs the rounds replay), for the policy's candidates,
-and cached on disk; a candidate's round time is composed from them, plus an overhead
-learned online from its measured rounds.
+The calls a round makes are timed once per machine (`speculative.profiling.calibrate`,
+outside the policy: it runs the engine's execution code), and a candidate's round time is
+composed from them here, plus an overhead learned online from its measured rounds.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import platform
 import statistics
 from collections import deque
-from pathlib import Path
 
 import numpy as np
-import torch
 
 from branchspec.config import SpecConfig, spec_label
-from branchspec.disk_cache import cache_dir, source_digest
-from branchspec.speculative.round_calls import RoundCalls, median_seconds
 from branchspec.speculative.policy.tuning import TUNING, Tuning
 
 # The calls a round makes, each timed on its own grid: "target" the plain decode step (1
@@ -274,125 +266,3 @@ class CostModel:
     def from_dict(cls, d: dict, tuning: Tuning = TUNING) -> "CostModel":
         grids = {name: (tuple(g["tokens"]), np.array(g["seconds"])) for name, g in d["grids"].items()}
         return cls(tuple(d["batches"]), grids, tuple(d["contexts"]), tuning)
-
-
-# -- measuring ---------------------------------------------------------------------------
-
-def calibration_batches(max_batch_size: int) -> tuple[int, ...]:
-    out, b = [], 1
-    while b < max_batch_size:
-        out.append(b)
-        b *= 4
-    out.append(max_batch_size)
-    return tuple(out)
-
-
-def calibration_contexts(max_position: int, most_tokens: int) -> tuple[int, ...]:
-    """The CONTEXTS a model of `max_position` positions can be measured over (each leaves
-    room for the largest token count on top)."""
-    room = max_position - most_tokens - 1
-    return tuple(sorted({max(1, min(c, room)) for c in CONTEXTS}))
-
-
-@torch.no_grad()
-def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...], repeats: int = 3,
-              progress: bool = False, vocab=None) -> CostModel:
-    """Time each call a round of these candidates makes (`grid_tokens`), through `executor`
-    (the engine's own execution path) over a private paged state and a private drafter
-    drafting over `vocab` (the engine's pages and statistics are untouched), at each batch
-    of `calibration_batches` and each context of `calibration_contexts`. At each batch
-    size the context grows by prefill from one measured length to the next."""
-    from branchspec.cache.paged import PagedState
-    from branchspec.model.metadata import chain_meta
-    from branchspec.speculative.drafter import DrafterState, MTPDrafter
-
-    model = executor.model
-    cfg = model.cfg
-    p = model.embed.weight
-    tokens = grid_tokens(candidates)
-    growths = {c.label: c for c in candidates if c is not None}
-    batches = calibration_batches(max_batch_size)
-    most = max(max(t) for name, t in tokens.items() if name not in BY_GROWTH and t)
-    contexts = calibration_contexts(cfg.max_position, most)
-    grids = {name: np.zeros((len(batches), len(t), len(contexts))) for name, t in tokens.items()}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=sum(g.size for g in grids.values()), desc=f"calibrating round costs ({executor.name})",
-                   unit="shape", leave=False)
-    gen = torch.Generator().manual_seed(0)
-    for i, B in enumerate(batches):
-        cache = PagedState(cfg, max_seqs=B, max_len=contexts[-1] + most + 1, page_size=16, dtype=p.dtype,
-                           device=p.device)
-        ex = executor.over(cache)
-        drafter = MTPDrafter(model, cache, ex, vocab=vocab) if growths else None
-        ids = list(range(B))
-        for sid in ids:
-            cache.add(sid)
-            cache.reserve(sid, contexts[-1] + most)
-        L = torch.zeros(B, dtype=torch.long, device=p.device)
-        for k, context in enumerate(contexts):
-            grow = context - int(L[0])
-            prompt = torch.randint(3, cfg.vocab_size, (B, grow), generator=gen).to(p.device)
-            meta = chain_meta(L, grow, cfg.compressed_kinds)
-            out = ex.prefill(prompt, meta, ids, L)
-            cache.commit(ids, meta, out.scratch, meta.valid)
-            L = L + grow
-            if drafter is not None:
-                for b, sid in enumerate(ids):
-                    drafter.states[sid] = DrafterState(last_hidden=out.hidden[b, -1])
-            call = RoundCalls(ex, drafter, out.hidden[:, -1:], ids, L, gen)
-            cells = [(name, j, call.draft(growths[key]) if name == "draft" else call.of(name, int(key)))
-                     for name, keys in tokens.items() for j, key in enumerate(keys)]
-            for (name, j, _), seconds in zip(cells, median_seconds([run for *_, run in cells], repeats, p.device)):
-                grids[name][i, j, k] = seconds
-            if bar is not None:
-                bar.update(len(cells))
-    if bar is not None:
-        bar.close()
-    return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
-
-
-def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
-    """What a calibration depends on: the model's shape and dtype, the execution path, the
-    grids, the drafted vocabulary, the machine and its thread count, the torch build, and
-    the code whose calls it times (`source_digest`) and this module, which times them."""
-    model = executor.model
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
-                       "device": str(model.embed.weight.device), "execution": executor.name,
-                       "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
-                       "draft_vocab": vocab_size, "threads": torch.get_num_threads(), "cpu": cpu,
-                       "torch": torch.__version__, "source": source_digest(),
-                       "timing": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def load_or_calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...],
-                      progress: bool = False, vocab=None) -> CostModel:
-    """The cached calibration for this model, execution path, drafted vocabulary (`vocab`,
-    a `DraftVocab`, None for the whole) and machine, else a fresh one (then cached; an
-    unwritable cache folder only costs the next start another one)."""
-    tokens = grid_tokens(candidates)
-    key = calibration_key(executor, max_batch_size, tokens, vocab.size if vocab is not None else None)
-    path = cache_dir() / f"round-costs-{key}.json"
-    try:
-        return CostModel.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    costs = calibrate(executor, max_batch_size, candidates, progress=progress, vocab=vocab)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(costs.to_dict()))
-        tmp.replace(path)
-    except OSError:
-        pass
-    return costs
