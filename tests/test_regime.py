@@ -181,6 +181,14 @@ def test_full_depth_costs_and_round_composition():
     assert round_seconds(costs, "tree", 1, 200, 2) == round_seconds(costs, "chain", 1, 200, 2)   # below D=3
 
 
+def test_the_plain_baseline_is_the_faster_one_token_step():
+    from branchspec.bench.projection import plain_baseline
+
+    costs = {"plain": {1: {64: {1: 0.30}}, 4: {64: {1: 0.20}}},
+             "verify_chain": {1: {64: {1: 0.25, 2: 0.3}}, 4: {64: {2: 0.4}}}}
+    assert plain_baseline(costs) == {1: {64: 0.25}, 4: {64: 0.20}}     # no root-only verify at batch 4
+
+
 def test_regularities_read_the_numbers():
     def cell(gain, accept, speed):
         return {"tree_vs_chain": gain, "tree_vs_plain": speed, "chain_vs_plain": 1.0,
