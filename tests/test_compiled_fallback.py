@@ -18,6 +18,7 @@ import torch
 from branchspec import LLM, SamplingParams, SpecConfig
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import tiny_config
+from branchspec.execution import compiled_step
 from branchspec.execution.compiled_step import compilations
 from branchspec.model.init import random_model
 
@@ -45,6 +46,9 @@ def llms(tmp_path_factory):
     compile_ = torch.compile
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "compile", lambda *a, **k: _NoAot(compile_(*a, **k)))
+        # said once a process: forget an earlier test's saying it (on a torch that has no
+        # aot_compile of its own, any compiled test before this one does)
+        mp.setattr(compiled_step, "_NO_AOT_WARNED", [])
         mp.setenv("BRANCHSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
         eager = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0)
         fast = LLM(ckpt, max_batch_size=8, page_size=4, max_model_len=256, seed=0, compile=True)

@@ -584,7 +584,7 @@ def test_a_prompts_drafter_prefill_waits_unless_speculation_earns_it_back():
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
     from branchspec.checkpoint import load_checkpoint
-    import branchspec.speculative.policy.costs as costs_mod
+    import branchspec.speculative.profiling as costs_mod
     from branchspec.cache.paged import PagedState
     from branchspec.execution.eager import EagerExecutor
 

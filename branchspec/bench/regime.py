@@ -300,18 +300,10 @@ def _round_calls(plan: RegimePlan, model, B: int, context: int, gen: torch.Gener
 def environment(plan: RegimePlan) -> dict:
     """What the numbers were measured on: device and its name, dtype and path as resolved,
     the torch build, threads."""
+    from branchspec.speculative.profiling import cpu_model_name
+
     device = torch.device(plan.device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = "cpu"
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name()
     return {"device": str(device), "device_name": name, "dtype": resolve_regime_dtype(plan.dtype, device),
             "path": resolve_path(plan.path, device), "torch": torch.__version__, "threads": torch.get_num_threads()}
 

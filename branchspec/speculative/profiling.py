@@ -188,19 +188,23 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
     return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's, else what `platform` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
     """What a calibration depends on: the model's shape and dtype, the execution path, the
     grids, the drafted vocabulary, the machine and its thread count, the torch build, and
     the code whose calls it times (`source_digest`) and this module, which times them."""
     model = executor.model
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
                        "device": str(model.embed.weight.device), "execution": executor.name,
                        "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
