@@ -219,9 +219,8 @@ def project_costs(costs: dict, studies: dict[str, dict] | None) -> dict:
 
 def plain_baseline(costs: dict) -> dict:
     """Plain decoding's step at each (batch, context): the faster of the runner's decode
-    step and the verify pass over the root alone (the same one-token step; at V4-Flash's
-    widths on a CPU the runner's one-thread rule for one-row products makes its gathers
-    slower), so that speculation is judged against the fastest plain step measured."""
+    step and the verify pass over the root alone (the same one-token step by another
+    route), so that speculation is judged against the fastest plain step measured."""
     return {B: {ctx: min(by_D[1], costs["verify_chain"][B][ctx].get(1, math.inf)) for ctx, by_D in by_ctx.items()}
             for B, by_ctx in costs["plain"].items()}
 
