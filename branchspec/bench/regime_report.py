@@ -177,6 +177,7 @@ def regime_plot(payload: dict, path: Path) -> None:
             plain = baseline[B][str(ctx)]
             Ds = sorted(by_D)
             a.plot(Ds, [by_D[D] / plain for D in Ds], marker="o", label=f"batch {B}")
+        a.set_xticks(Ds)
         a.set(xlabel="D (nodes per request)", ylabel="verify / plain step",
               title=f"verify cost, 43 layers, {_context_name(ctx)}: {name}")
         a.axhline(1.0, color="grey", lw=0.5)
@@ -190,6 +191,7 @@ def regime_plot(payload: dict, path: Path) -> None:
                 rows = {int(D): v for D, v in g[B][str(ctx)].items()}
                 Ds = sorted(rows)
                 b.plot(Ds, [rows[D]["tree_vs_chain"] * 100 for D in Ds], marker="o", label=f"batch {B}")
+            b.set_xticks(Ds)
             b.set(xlabel="D", ylabel="tree over chain, %", title=f"projected gain ({source})")
             b.axhline(0.0, color="grey", lw=0.5)
             b.legend()
