@@ -71,7 +71,8 @@ def _variant_tables(variant: dict) -> list[str]:
 
     lines = ["### Verify cost of D nodes over one plain step (43 layers, projected)", "",
              "Plain step: the faster of the runner's decode step and the verify pass over the root alone.", "",
-             "| batch | context | " + " | ".join(f"D={D}" for D in budgets) + " | decode step ms | root-only verify ms |",
+             "| batch | context | " + " | ".join(f"D={D}" for D in budgets)
+             + " | decode step ms | root-only verify ms |",
              "|---|---|" + "---|" * (len(budgets) + 2)]
     for B in batches:
         for ctx in contexts:

@@ -19,6 +19,6 @@ from branchspec.config.speculative import (AUTO_TREE_SHAPES, AutoPolicy, SpecCon
 
 __all__ = ["ConfigError", "ConfigTypeError", "check_bool", "check_float", "check_int", "require", "EngineConfig",
            "check_device", "SCORING_FUNCS", "SUPPORTED_RATIOS", "Compression", "ModelConfig", "read_config_json",
-           "tiny_config", "tiny_v4_config", "v4_flash_slice_config", "v4_mini_config", "v4_mini_v2_config", "GREEDY_TEMPERATURE", "MAX_N",
-           "MAX_SEED", "SamplingParams", "AUTO_TREE_SHAPES", "AutoPolicy", "SpecConfig", "default_candidates",
-           "fast_path_candidates", "spec_label"]
+           "tiny_config", "tiny_v4_config", "v4_flash_slice_config", "v4_mini_config", "v4_mini_v2_config",
+           "GREEDY_TEMPERATURE", "MAX_N", "MAX_SEED", "SamplingParams", "AUTO_TREE_SHAPES", "AutoPolicy", "SpecConfig",
+           "default_candidates", "fast_path_candidates", "spec_label"]
