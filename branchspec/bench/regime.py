@@ -300,7 +300,7 @@ def _round_calls(plan: RegimePlan, model, B: int, context: int, gen: torch.Gener
 def environment(plan: RegimePlan) -> dict:
     """What the numbers were measured on: device and its name, dtype and path as resolved,
     the torch build, threads."""
-    from branchspec.speculative.profiling import cpu_model_name
+    from branchspec.machine import cpu_model_name
 
     device = torch.device(plan.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name()

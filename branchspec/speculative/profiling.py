@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from branchspec.config import SpecConfig
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.threads import one_row_products
+from branchspec.machine import cpu_model_name
 from branchspec.speculative.policy.costs import BY_GROWTH, CONTEXTS, CostModel, grid_tokens
 
 
@@ -186,17 +186,6 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
     if bar is not None:
         bar.close()
     return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
-
-
-def cpu_model_name() -> str:
-    """The CPU's model name (/proc/cpuinfo's, else what `platform` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from branchspec.atomic import write_atomically, write_text
 from branchspec.checkpoint import save_checkpoint
 from branchspec.config import ModelConfig, check_float, tiny_config, v4_mini_config, v4_mini_v2_config
+from branchspec.machine import cpu_model_name
 from branchspec.data.tokenizer import Tokenizer, train_tokenizer
 from branchspec.model.init import init_weights
 from branchspec.model.model import Transformer
@@ -269,7 +270,7 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     setup_seconds = time.perf_counter() - t_setup
     sitting = {"start_step": step, "precision": precision, "compile": cfg.compile, "threads": torch.get_num_threads(),
-               "cpu": _cpu_name(), "torch": torch.__version__, "precision_probe_seconds": precision_probe,
+               "cpu": cpu_model_name(), "torch": torch.__version__, "precision_probe_seconds": precision_probe,
                "resumed_from": {"state": state.STATE_FILE, "pack": "pack", None: None}[source]}
     sittings.append(sitting)
 
@@ -359,17 +360,6 @@ def train(cfg: TrainConfig, resume: bool = False, export: str | Path | None = No
     write_text(folder / "training.json", json.dumps(info, indent=2) + "\n")
     write_atomically(folder / "loss.png", lambda tmp: plot_losses(history, evals, tmp))
     return folder
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
 
 
 class _stop_on_sigterm:
