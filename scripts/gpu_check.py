@@ -23,8 +23,8 @@ Phases:
 4. regime (not in the default phases; run it on its own, `--phases regime`): the paper's
    regime (`branchspec bench --regime`): one plain step and each part of a round at
    DeepSeek-V4-Flash's layer shapes, bfloat16, CUDA graphs, batch 1 to 64, contexts 1k to
-   32k, projected to 43 layers; the costs measured so far are written after every
-   (depth, batch), regime.md beside the JSON at the end.
+   32k, projected to 43 layers; the costs measured so far are written after every batch
+   size, regime.md beside the JSON at the end.
 
 Needs nothing but torch, numpy, safetensors, tokenizers and tqdm (no server or data-set
 packages). On a CPU the CUDA-graph path runs with `graphs.StaticCalls` standing in for
@@ -270,26 +270,18 @@ def throughput(phase: dict, step_rows: list[dict]) -> None:
 
 
 def regime(device: str, phase: dict, report: Report, quick: bool, out: Path) -> None:
-    """`bench.regime` on this device, its preset (quick: fewer batches and contexts), the
-    measured costs in the phase's rows as they come, the projection and regime.md at the
-    end."""
-    from branchspec.bench.projection import default_studies, project, study_accept_lengths
-    from branchspec.bench.regime import default_plan, measure, to_json
-    from branchspec.bench.regime_report import regime_markdown
+    """`bench.regime.run` on this device, its preset (quick: fewer batches and contexts):
+    the measured costs in the phase's rows as they come, the whole result at the end, and
+    regime.json and regime.md beside gpu_check.json."""
+    from branchspec.bench.projection import default_studies, study_accept_lengths
+    from branchspec.bench.regime import default_plan, run
 
-    plan = default_plan(device, quick, progress=False)
-    start = time.monotonic()
-
-    def keep(measured):
-        phase["rows"] = to_json(plan, measured, None, time.monotonic() - start)["depths"]
+    def keep(partial: dict) -> None:
+        phase["rows"] = partial["depths"]
         report.write()
 
-    measured = measure(plan, on_result=keep)
     studies = {name: study_accept_lengths(path) for name, path in default_studies().items()}
-    payload = json.loads(json.dumps(to_json(plan, measured, project(measured, studies),
-                                            time.monotonic() - start)))
-    phase["regime"] = payload
-    (out / "regime.md").write_text(regime_markdown(payload))
+    phase["regime"] = run(default_plan(device, quick, progress=False), out, studies, plots=False, on_result=keep)
 
 
 def main() -> int:

@@ -276,7 +276,11 @@ def test_regime_flags_are_checked(capsys, tmp_path):
                           (["--regime", "--regime-pairs", "1"], "two depths"),
                           (["--regime", "--regime-pairs", "2,1"], "two increasing depths"),
                           (["--regime", "--contexts", "70000"], "the regime model has 65536"),
-                          (["--regime", "--disable-cuda-graph"], "applies to a GPU")]:
+                          (["--regime", "--disable-cuda-graph"], "applies to a GPU"),
+                          (["--regime", "--device", "tpu"], "device='tpu' is not a device name"),
+                          (["--regime", "--regime-repeats", "0"], "repeats must be at least 1"),
+                          *([(["--regime", "--device", "cuda"], "CUDA is not available")]
+                            if not torch.cuda.is_available() else [])]:
         args = parser.parse_args(argv + ["--out", str(tmp_path / "out")])
         assert cli.main(args) == 2
         assert message in capsys.readouterr().err

@@ -27,17 +27,14 @@ import math
 import statistics
 from pathlib import Path
 
-from branchspec.config.model import V4_FLASH_PAIRS
+from branchspec.config.model import V4_FLASH_LAYERS, V4_FLASH_PAIRS
 
 # The paper's Table 1 at D = 8 (accepted length, bonus included), its published ends: the
 # lowest (ShareGPT, the least predictable workload) and the highest.
 PAPER_ACCEPT_D8 = {"paper low (ShareGPT)": {"chain": 2.39, "tree": 2.84},
                    "paper high": {"chain": 2.84, "tree": 3.41}}
-# The paper's reported throughput gains of the tree over the chain (for the comparison).
-PAPER_GAINS = {"best": 0.185, "D6": {1: 0.08, 4: 0.11, 64: 0.07}, "D7-8 mean": (0.09, 0.10)}
 # V4-Flash's routed experts, of which each token takes 6; every one of its 43 layers is MoE.
 V4_FLASH_EXPERTS = 256
-V4_FLASH_MOE_LAYERS = 43
 MEASURED = "6 experts (as measured)"
 ROUTED = "256 experts (uniform routing)"
 
@@ -76,7 +73,7 @@ def _expert_at(expert_seconds: dict[int, float], tokens: float) -> float:
 
 
 def expert_correction(tokens: int, expert_seconds: dict[int, float], per_token: int = 6,
-                      layers: int = V4_FLASH_MOE_LAYERS) -> float:
+                      layers: int = V4_FLASH_LAYERS) -> float:
     """Seconds V4-Flash's 256 experts add to a call of `tokens` tokens over the slice's 6:
     per MoE layer, the distinct experts its tokens touch, each over its share of them,
     against 6 experts each over all of them. At batch 1 a plain step touches 6 either way;
@@ -186,7 +183,7 @@ def project(measured, studies: dict[str, dict] | None = None) -> dict:
     variants = {MEASURED: costs}
     if measured.expert_seconds:
         variants[ROUTED] = with_routed_experts(costs, measured.expert_seconds)
-    return {"layers": 3 + 2 * V4_FLASH_PAIRS,
+    return {"layers": V4_FLASH_LAYERS,
             "variants": {name: project_costs(c, studies) for name, c in variants.items()}}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from branchspec.config import SpecConfig
+from branchspec.config import SpecConfig, check_device
 from branchspec.config.model import v4_flash_slice_config
 
 NODES = (1, 2, 3, 4, 5, 6, 7, 8)            # D, root included; 1 is the plain decode step
@@ -68,6 +68,7 @@ class RegimePlan:
     config_overrides: dict = field(default_factory=dict)   # tests: a tiny slice
 
     def __post_init__(self):
+        check_device("RegimePlan", self.device)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
         if not self.contexts or min(self.contexts) < 1:
@@ -100,7 +101,7 @@ def default_plan(device: str, quick: bool, **given) -> RegimePlan:
     """The preset for this device (a CPU's quick one fits a few minutes of 2 cores; its
     full one leaves out batch 64, whose rounds take tens of seconds each there), under the
     values given explicitly (None: the preset's)."""
-    gpu = torch.device(device).type == "cuda"
+    gpu = torch.device(check_device("RegimePlan", device)).type == "cuda"
     preset = dict(GPU_FULL if gpu else CPU_QUICK if quick else CPU_FULL)
     if gpu and quick:
         preset.update(batch_sizes=(1, 4, 64), contexts=(1024, 8192), repeats=3)
@@ -163,19 +164,15 @@ def _calls_at(plan: RegimePlan, calls, with_drafter: bool) -> list[tuple[str, in
     # the plain step as the runner takes it, and the verify pass over the root alone: the
     # same one-token step by another route (the faster is plain decoding's baseline)
     out = [("plain", 1, calls.of("target", 1)), ("verify_chain", 1, calls.verify([-1]))]
-    for D in plan.budgets:
-        if D == 1:
-            continue
+    budgets = [D for D in plan.budgets if D > 1]
+    for D in budgets:
         out.append(("verify_chain", D, calls.verify(list(range(-1, D - 1)))))
         out.append(("verify_tree", D, calls.verify(tree_parents(D))))
-    if with_drafter:
-        for D in plan.budgets:
-            if D == 1:
-                continue
-            out.append(("draft_chain", D, calls.draft(SpecConfig.chain(D))))
-            if D >= 3:
-                out.append(("draft_tree", D, calls.draft(tree_spec(D))))
-            out.append(("extend", D, calls.of("extend", D + 1)))
+    for D in budgets if with_drafter else ():
+        out.append(("draft_chain", D, calls.draft(SpecConfig.chain(D))))
+        if D >= 3:
+            out.append(("draft_tree", D, calls.draft(tree_spec(D))))
+        out.append(("extend", D, calls.of("extend", D + 1)))
     return out
 
 
@@ -218,15 +215,14 @@ def measure(plan: RegimePlan, on_result=None) -> RegimeCosts:
     for B in plan.batch_sizes:
         gen = torch.Generator(device=device).manual_seed(plan.seed)
         for k, context in enumerate(plan.contexts):
-            cells, held = [], []
+            cells = []        # each run holds its calls, and through them their paged state
             for i, model in enumerate(models):
-                calls, keep = _round_calls(plan, model, B, context, gen)
-                held.append(keep)
+                calls = _round_calls(plan, model, B, context, gen)
                 cells += [(i, call, D, run) for call, D, run in _calls_at(plan, calls, with_drafter=i == 0 and k == 0)]
             seconds = median_seconds([run for *_, run in cells], plan.repeats, device)
             for (i, call, D, _), s in zip(cells, seconds):
                 results[i].put(call, B, context, D, s)
-            del cells, held
+            del cells
             if bar is not None:
                 bar.update(1)
         if on_result is not None:
@@ -267,7 +263,7 @@ def time_expert(model, counts: tuple[int, ...], repeats: int, device: torch.devi
 
 def _round_calls(plan: RegimePlan, model, B: int, context: int, gen: torch.Generator):
     """The calls of a round over B requests of `context` committed tokens of `model`, on a
-    paged state of their own, and what must be kept alive while they run."""
+    paged state of their own."""
     from branchspec.cache.paged import PagedState
     from branchspec.execution import make_executor
     from branchspec.speculative.drafter import DrafterState, MTPDrafter
@@ -293,8 +289,7 @@ def _round_calls(plan: RegimePlan, model, B: int, context: int, gen: torch.Gener
                          dtype=model.embed.weight.dtype)                    # [B, 1, n*d] the target's last
     for b, sid in enumerate(ids):
         drafter.states[sid] = DrafterState(last_hidden=hidden[b, 0])
-    calls = RoundCalls(ex, drafter, hidden, ids, L, torch.Generator().manual_seed(plan.seed))
-    return calls, (cache, ex, drafter)
+    return RoundCalls(ex, drafter, hidden, ids, L, torch.Generator().manual_seed(plan.seed))
 
 
 def environment(plan: RegimePlan) -> dict:
@@ -325,10 +320,12 @@ def write_json(path: Path, payload: dict) -> None:
     tmp.replace(path)
 
 
-def run(plan: RegimePlan, out_dir: str | Path, studies: dict[str, dict] | None = None, plots: bool = True) -> dict:
+def run(plan: RegimePlan, out_dir: str | Path, studies: dict[str, dict] | None = None, plots: bool = True,
+        on_result=None) -> dict:
     """Measure, project (under the paper's accept lengths and each of `studies`, see
-    `projection.project`), and write regime.json, regime.md and the plot into `out_dir`;
-    returns the JSON written."""
+    `projection.project`), and write regime.json (after every batch size too), regime.md
+    and the plot into `out_dir`; returns the JSON written. `on_result(partial JSON)`
+    after every batch size as well."""
     from branchspec.bench.projection import project
     from branchspec.bench.regime_report import regime_markdown, regime_plot
 
@@ -336,7 +333,13 @@ def run(plan: RegimePlan, out_dir: str | Path, studies: dict[str, dict] | None =
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = out / "regime.json"
-    measured = measure(plan, on_result=lambda m: write_json(path, to_json(plan, m, None, time.perf_counter() - start)))
+    def keep(measured: RegimeCosts) -> None:
+        partial = to_json(plan, measured, None, time.perf_counter() - start)
+        write_json(path, partial)
+        if on_result is not None:
+            on_result(partial)
+
+    measured = measure(plan, on_result=keep)
     projection = project(measured, studies)
     # through JSON and back: the report reads what the file holds (string keys throughout)
     payload = json.loads(json.dumps(to_json(plan, measured, projection, time.perf_counter() - start)))

@@ -393,7 +393,5 @@ def v4_flash_slice_config(pairs: int = 1, **overrides) -> ModelConfig:
                 num_experts=6, num_experts_per_tok=6, num_shared_experts=1, moe_hidden=2048,
                 scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, num_hash_layers=0,
                 swiglu_limit=10.0)
-    if "num_layers" not in overrides and "compress_ratios" in overrides:
-        base["num_layers"] = len(overrides["compress_ratios"])
     base.update(overrides)
     return ModelConfig(**base)
