@@ -1,13 +1,12 @@
 """The adaptive policy run again and again on one study cell: what it chose each time, and
-the state of its cost model after each run.
+the state of its round prices after each run.
 
 One engine, as in `branchspec bench --policies fixed,auto`: a few calibrated fixed runs
 first (the study's sweep teaches the measured acceptance the same way), then --repeats
 times in turn plain decoding and `SpecConfig.auto()`, printing both throughputs, the
-rounds the policy gave each configuration, the cost model's load (measured / predicted
-round time, recent rounds), plain decoding's measured overhead beyond its predicted
-forwards, the lowest and highest of the speculative candidates' and the policy's top
-three estimates (tok/s) at its last decision.
+rounds the policy gave each configuration, the noise of one round's measured price, the
+candidates measured at this batch (rounds each) and the policy's top three estimates
+(speed over plain decoding) at its last decision.
 
     python scripts/policy_trace.py --workload sharegpt --batch-size 1 [--temperature 0]
         [--seed 0] [--repeats 8] [--max-tokens 64] [--num-prompts 16] [--mbpp-path FILE]
@@ -44,14 +43,11 @@ def main() -> None:
         rounds = ", ".join(f"{k} {v}" for k, v in sorted(st.spec_choices.items(), key=lambda kv: -kv[1])[:3])
         print(f"run {repeat}: plain {plain:.1f} tok/s, auto {st.decode_throughput:.1f} "
               f"({st.decode_throughput / plain:.2f}x; {rounds})")
-        plain_over = costs.overhead(("none", bucket))
-        spec_over = sorted(1e3 * v for key in costs.overheads if key[1] == bucket and key[0] != "none"
-                           and (v := costs.overhead(key)) is not None)
-        top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(policy.last_estimate.items(), key=lambda kv: -kv[1])[:3])
-        print(f"    load {costs.load():.2f}; plain overhead "
-              f"{'-' if plain_over is None else f'{1e3 * plain_over:.1f}'} ms of a predicted "
-              f"{1e3 * costs.predict(None, B):.1f}; {len(spec_over)} speculative overheads "
-              + (f"{spec_over[0]:.1f}-{spec_over[-1]:.1f} ms" if spec_over else "-") + f"; estimates: {top}")
+        labels = [label for label, bucket_ in costs.corrections if bucket_ == bucket]
+        measured = ", ".join(f"{label} {len(costs.corrections[(label, bucket)])}" for label in labels[:4])
+        top = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(policy.last_estimate.items(), key=lambda kv: -kv[1])[:3])
+        print(f"    round noise {costs.round_noise(B):.3f} (log); candidates measured: {len(labels)} "
+              f"({measured}{', ...' if len(labels) > 4 else ''}); estimates over plain decoding: {top}")
 
 
 if __name__ == "__main__":

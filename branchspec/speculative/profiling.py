@@ -1,12 +1,14 @@
-"""Measuring what a round's calls cost on this machine, through the engine's own execution
-path (eager, compiled, or captured graphs: the very steps the rounds run).
+"""Measuring what rounds cost on this machine, through the engine's own execution path
+(eager, compiled, or captured graphs: the very steps the rounds run).
 
-`RoundCalls` makes the calls of one round one at a time, so that each can be timed;
-`median_seconds` times several side by side. `calibrate` times them on the grid the
-adaptive policy's cost model (`policy.costs.CostModel`) composes round times from, and
-`load_or_calibrate` keeps that on disk per machine, model and code; the regime benchmark
-(`bench.regime`) times them at V4-Flash's layer shapes. Kept out of `policy/`, which
-decides from the numbers and runs no execution code.
+`LiveRounds` runs whole rounds as the engine's runner runs them (a plain step through
+`ModelRunner.decode`, a speculative round through `SpeculativeRound.run`) over private
+requests; `calibrate` prices every candidate's round against the plain steps run beside
+it, for the adaptive policy's round prices (`policy.costs.CostModel`), and
+`load_or_calibrate` keeps that on disk per machine, model and code. `RoundCalls` makes the
+calls of one round one at a time and `median_seconds` times several side by side: the
+regime benchmark (`bench.regime`) times them at V4-Flash's layer shapes. Kept out of
+`policy/`, which decides from the numbers and runs no execution code.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from branchspec.config import SpecConfig
+from branchspec.config import SpecConfig, spec_label
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.threads import one_row_products
 from branchspec.machine import cpu_model_name
-from branchspec.speculative.policy.costs import BY_GROWTH, CONTEXTS, CostModel, grid_tokens
+from branchspec.speculative.policy.costs import CATCH_UP_TOKENS, CONTEXTS, PLAIN, CostModel, grid_keys
 
 
 def median_seconds(runs: list, repeats: int, device: torch.device | str = "cpu") -> list[float]:
@@ -122,73 +124,152 @@ def calibration_batches(max_batch_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def calibration_contexts(max_position: int, most_tokens: int) -> tuple[int, ...]:
-    """The CONTEXTS a model of `max_position` positions can be measured over (each leaves
-    room for the largest token count on top)."""
-    room = max_position - most_tokens - 1
-    return tuple(sorted({max(1, min(c, room)) for c in CONTEXTS}))
+def calibration_contexts(max_position: int, room: int) -> tuple[int, ...]:
+    """The CONTEXTS a model of `max_position` positions can be measured from (each leaves
+    `room` positions for the rounds on top)."""
+    top = max_position - room - 1
+    return tuple(sorted({max(1, min(c, top)) for c in CONTEXTS}))
+
+
+class LiveRounds:
+    """B requests of random prompts over a private paged state and drafter, stepped round
+    after round as the engine's runner steps them: `step(None)` a plain decode step
+    (`ModelRunner.decode`, the drafter following by reference, as under an adaptive
+    policy), `step(spec)` a speculative round (`SpeculativeRound.run`, which first feeds
+    the drafter what the plain steps before it committed, learning as an adaptive policy's
+    rounds do). Each step commits what it accepted, so the context grows as it would."""
+
+    def __init__(self, executor, batch: int, context: int, room: int, gen: torch.Generator, vocab=None):
+        from branchspec.cache.paged import PagedState
+        from branchspec.engine.runner import ModelRunner
+        from branchspec.model.metadata import chain_meta
+        from branchspec.sampling import SamplingBatch
+        from branchspec.speculative.drafter import DrafterState, MTPDrafter
+
+        model = executor.model
+        cfg, p = model.cfg, model.embed.weight
+        self.cache = PagedState(cfg, max_seqs=batch, max_len=context + room + 1, page_size=16, dtype=p.dtype,
+                                device=p.device)
+        ex = executor.over(self.cache)
+        drafter = MTPDrafter(model, self.cache, ex, vocab=vocab)
+        self.runner = ModelRunner(model, self.cache, ex, drafter)
+        self.ids = list(range(batch))
+        for sid in self.ids:
+            self.cache.add(sid)
+            self.cache.reserve(sid, context + room)
+        prompt = torch.randint(3, cfg.vocab_size, (batch, context), generator=gen).to(p.device)
+        L = torch.zeros(batch, dtype=torch.long, device=p.device)
+        meta = chain_meta(L, context, cfg.compressed_kinds)
+        out = ex.prefill(prompt, meta, self.ids, L)
+        self.cache.commit(self.ids, meta, out.scratch, meta.valid)
+        for b, sid in enumerate(self.ids):
+            drafter.states[sid] = DrafterState(last_hidden=out.hidden[b, -1])
+        self.lengths = L + context
+        self.roots = torch.randint(3, cfg.vocab_size, (batch,), generator=gen).to(p.device)
+        self.sampling = SamplingBatch(temperature=torch.zeros(batch, dtype=torch.float64),
+                                      top_p=torch.ones(batch, dtype=torch.float64), seeds=[0] * batch,
+                                      num_logprobs=[None] * batch)
+        self.budget = torch.full((batch,), room, device=p.device)
+
+    def step(self, spec: SpecConfig | None):
+        """One round of `spec` (None: a plain step); its `RoundResult`."""
+        from branchspec.speculative.round import RoundBatch
+
+        batch = RoundBatch(self.ids, self.lengths, self.roots, self.budget, self.sampling)
+        if spec is None:
+            result = self.runner.decode(batch, follow=True)
+        else:
+            result = self.runner.speculative.run(batch, spec, learn=True)
+        self.lengths = self.lengths + torch.tensor(result.path_len, device=self.lengths.device)
+        self.roots = torch.tensor([e[-1] for e in result.emitted], device=self.roots.device)
+        return result
+
+
+def _timed(rounds: LiveRounds, spec: SpecConfig | None, sync) -> tuple[float, float, float]:
+    """(seconds, its verify phase's seconds, its catch-up's seconds) of one round."""
+    sync()
+    t0 = time.perf_counter()
+    result = rounds.step(spec)
+    sync()
+    seconds = time.perf_counter() - t0 - result.catch_up_seconds
+    return seconds, result.phase_seconds.get("verify", seconds), result.catch_up_seconds
 
 
 @torch.no_grad()
 def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...], repeats: int = 3,
               progress: bool = False, vocab=None) -> CostModel:
-    """Time each call a round of these candidates makes (`grid_tokens`), through `executor`
-    (the engine's own execution path) over a private paged state and a private drafter
-    drafting over `vocab` (the engine's pages and statistics are untouched), at each batch
-    of `calibration_batches` and each context of `calibration_contexts`. At each batch
-    size the context grows by prefill from one measured length to the next."""
-    from branchspec.cache.paged import PagedState
-    from branchspec.model.metadata import chain_meta
-    from branchspec.speculative.drafter import DrafterState, MTPDrafter
+    """Price every candidate's round (and the drafter's catch-up) in plain decode steps,
+    through `executor` (the engine's own execution path) over private requests and a
+    private drafter drafting over `vocab` (the engine's pages and statistics are
+    untouched), at each batch of `calibration_batches` and from each context of
+    `calibration_contexts`.
 
+    Each pass runs plain step, candidate, plain step, candidate, ... plain step, and a
+    candidate's sample is its round over the mean of the two plain steps around it, so a
+    slow spell of a shared machine falls on both sides of a ratio alike; after one untimed
+    pass, each price is the median of `repeats` passes, each from a fresh prefill of the
+    context. A speculative round after a plain step first catches up one position; longer
+    catch-ups are timed after CATCH_UP_TOKENS plain steps in a row, against those steps."""
+    specs = tuple(c for c in candidates if c is not None)
+    keys = grid_keys(candidates)
+    index = {key: j for j, key in enumerate(keys)}
+    by_key = {spec_label(c): c for c in specs}
     model = executor.model
-    cfg = model.cfg
-    p = model.embed.weight
-    tokens = grid_tokens(candidates)
-    growths = {c.label: c for c in candidates if c is not None}
+    device = model.embed.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    most = max((c.num_draft_tokens for c in specs), default=1)
+    room = 2 * (len(specs) + 1) * (most + 1) + 2 * CATCH_UP_TOKENS[-1] + 2
     batches = calibration_batches(max_batch_size)
-    most = max(max(t) for name, t in tokens.items() if name not in BY_GROWTH and t)
-    contexts = calibration_contexts(cfg.max_position, most)
-    grids = {name: np.zeros((len(batches), len(t), len(contexts))) for name, t in tokens.items()}
+    contexts = calibration_contexts(model.cfg.max_position, room)
+    shape = (len(batches), len(keys), len(contexts))
+    samples = {name: [[[[] for _ in contexts] for _ in keys] for _ in batches] for name in ("round", "verify")}
+    catch_up = np.zeros((len(batches), len(CATCH_UP_TOKENS), len(contexts)))
+    plain = np.zeros((len(batches), len(contexts)))
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=sum(g.size for g in grids.values()), desc=f"calibrating round costs ({executor.name})",
-                   unit="shape", leave=False)
+        bar = tqdm(total=len(batches) * len(contexts) * (repeats + 1), unit="pass", leave=False,
+                   desc=f"measuring round prices ({executor.name})")
     gen = torch.Generator().manual_seed(0)
     for i, B in enumerate(batches):
-        cache = PagedState(cfg, max_seqs=B, max_len=contexts[-1] + most + 1, page_size=16, dtype=p.dtype,
-                           device=p.device)
-        ex = executor.over(cache)
-        drafter = MTPDrafter(model, cache, ex, vocab=vocab) if growths else None
-        ids = list(range(B))
-        for sid in ids:
-            cache.add(sid)
-            cache.reserve(sid, contexts[-1] + most)
-        L = torch.zeros(B, dtype=torch.long, device=p.device)
         for k, context in enumerate(contexts):
-            grow = context - int(L[0])
-            prompt = torch.randint(3, cfg.vocab_size, (B, grow), generator=gen).to(p.device)
-            meta = chain_meta(L, grow, cfg.compressed_kinds)
-            out = ex.prefill(prompt, meta, ids, L)
-            cache.commit(ids, meta, out.scratch, meta.valid)
-            L = L + grow
-            if drafter is not None:
-                for b, sid in enumerate(ids):
-                    drafter.states[sid] = DrafterState(last_hidden=out.hidden[b, -1])
-            call = RoundCalls(ex, drafter, out.hidden[:, -1:], ids, L, gen)
-            cells = [(name, j, call.draft(growths[key]) if name == "draft" else call.of(name, int(key)))
-                     for name, keys in tokens.items() for j, key in enumerate(keys)]
-            for (name, j, _), seconds in zip(cells, median_seconds([run for *_, run in cells], repeats, p.device)):
-                grids[name][i, j, k] = seconds
-            if bar is not None:
-                bar.update(len(cells))
+            plain_seen: list[float] = []
+            for repeat in range(repeats + 1):
+                rounds = LiveRounds(executor, B, context, room, gen, vocab)
+                before = _timed(rounds, None, sync)[0]
+                for key in keys:
+                    if key == PLAIN:
+                        continue
+                    seconds, verify, _ = _timed(rounds, by_key[key], sync)
+                    after = _timed(rounds, None, sync)[0]
+                    if repeat:
+                        step = 0.5 * (before + after)
+                        samples["round"][i][index[key]][k].append(seconds / step)
+                        samples["verify"][i][index[key]][k].append(verify / step)
+                        plain_seen.append(after)
+                    before = after
+                if repeat == repeats and specs:
+                    # Catch-ups: n plain steps in a row, then a round that feeds them to the drafter.
+                    for j, n in enumerate(CATCH_UP_TOKENS):
+                        steps = [_timed(rounds, None, sync)[0] for _ in range(n)]
+                        catch_up[i, j, k] = _timed(rounds, specs[0], sync)[2] / float(np.median(steps))
+                if bar is not None:
+                    bar.update(1)
+            plain[i, k] = float(np.median(plain_seen)) if plain_seen else _timed(rounds, None, sync)[0]
     if bar is not None:
         bar.close()
-    return CostModel(batches, {name: (tokens[name], g) for name, g in grids.items()}, contexts)
+    grids = {name: np.ones(shape) for name in ("round", "verify")}
+    for name in grids:
+        for i in range(len(batches)):
+            for j, key in enumerate(keys):
+                for k in range(len(contexts)):
+                    if samples[name][i][j][k]:
+                        grids[name][i, j, k] = float(np.median(samples[name][i][j][k]))
+    grids["catch_up"] = catch_up
+    return CostModel(batches, keys, grids, plain, contexts)
 
 
-def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], vocab_size: int | None = None) -> str:
+def calibration_key(executor, max_batch_size: int, keys: tuple[str, ...], vocab_size: int | None = None) -> str:
     """What a calibration depends on: the model's shape and dtype, the execution path, the
     grids, the drafted vocabulary, the machine and its thread count, the torch build, and
     the code whose calls it times (`source_digest`) and this module, which times them."""
@@ -196,7 +277,7 @@ def calibration_key(executor, max_batch_size: int, tokens: dict[str, tuple], voc
     cpu = cpu_model_name()
     blob = json.dumps({"model": model.cfg.to_dict(), "dtype": str(model.embed.weight.dtype),
                        "device": str(model.embed.weight.device), "execution": executor.name,
-                       "batches": calibration_batches(max_batch_size), "tokens": tokens, "contexts": CONTEXTS,
+                       "batches": calibration_batches(max_batch_size), "candidates": keys, "contexts": CONTEXTS,
                        "draft_vocab": vocab_size, "threads": torch.get_num_threads(), "cpu": cpu,
                        "torch": torch.__version__, "source": source_digest(),
                        "timing": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}, sort_keys=True)
@@ -208,8 +289,7 @@ def load_or_calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfi
     """The cached calibration for this model, execution path, drafted vocabulary (`vocab`,
     a `DraftVocab`, None for the whole) and machine, else a fresh one (then cached; an
     unwritable cache folder only costs the next start another one)."""
-    tokens = grid_tokens(candidates)
-    key = calibration_key(executor, max_batch_size, tokens, vocab.size if vocab is not None else None)
+    key = calibration_key(executor, max_batch_size, grid_keys(candidates), vocab.size if vocab is not None else None)
     path = cache_dir() / f"round-costs-{key}.json"
     try:
         return CostModel.from_dict(json.loads(path.read_text()))

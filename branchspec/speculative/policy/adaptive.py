@@ -1,11 +1,12 @@
 """Speculation that never loses: pick the draft shape, or none, before every round.
 
 For each candidate c (a SpecConfig, or None for a plain decode step) and the running batch
-of B requests, the policy estimates
+of B requests, the policy estimates its speed over plain decoding,
 
-    throughput(c) = sum over requests of E[tokens emitted by one round of c] / T(c, B)
+    value(c) = (E[tokens one round of c emits] / B) / (c's round in plain decode steps),
 
-and runs the argmax. Both factors are measured, not assumed:
+as a mean and a variance (of its log), and chooses with the uncertainty it has. Both
+factors are measured, not assumed:
 
 * **Acceptance**: the engine's measured acceptance (`calibration.AcceptanceModel`, the
   very counts the calibrated selection values nodes by), read per request as how often
@@ -14,32 +15,36 @@ and runs the argmax. Both factors are measured, not assumed:
   Every verified round teaches it (the round does, whichever policy chose the round); the
   policy only reads it. A candidate's expected accept length is 1 (the bonus token) plus
   the sum of its best D-1 node values under that positional model
-  (`acceptance.ExpectedAccept`). What the model still misses (a selection picks each
-  round's tree from that round's draft probabilities) is measured as observed / predicted
-  accepted tokens, per kind (chain, tree) and refined per candidate, and corrected for;
-  evidence of what did not run fades, so a calibration that unlucky rounds set low is
-  tried again. Plain rounds let the acceptance evidence fade too, so a few unlucky rounds
-  do not rule speculation out for good.
-* **Round time** (`costs.CostModel`): the time of each call a round makes (the decode
-  step, the verify pass at D nodes, each candidate's drafting, the draft extend) at
-  (batch, tokens or growth, committed context), measured once on this machine at start-up,
-  through the execution path the engine runs (eager or compiled), and cached on disk,
-  then summed per candidate (drafting + verify + draft extend, or one decode step) at the
-  batch's mean context, and scaled by two factors learnt online from measured round
-  times: the machine's present load, common to every candidate (a loaded server runs
-  every call slower than the idle grids), and each candidate's own overhead.
-* **Margins**: the choice is the largest of many noisy estimates, so it is biased high.
-  Speculation must look `plain_margin` better than plain decoding, a new best must beat
-  the standing choice by `switch_margin`, and a switch between plain decoding and
-  speculation is judged again after `probe_rounds` rounds (`tuning.Tuning`).
-* **Catch-up**: plain rounds do not feed the drafter, so speculating after them first
-  costs one drafter pass over what it missed. That is paid once, so it is spread over the
-  rounds the batch has left. A prompt's drafter prefill is priced the same way at
-  admission (`defer_drafter`): it runs with the target's only where speculation is
-  expected to win with it paid, else it waits as lag.
+  (`acceptance.ExpectedAccept`), so D, and whether to speculate at all, follow from the
+  measured acceptance. What the model still misses (a selection picks each round's tree
+  from that round's draft probabilities) is measured as observed / predicted accepted
+  tokens, per kind (chain, tree) and refined per candidate, and corrected for; its
+  variance is that of a count of that many tokens. Evidence of what did not run fades,
+  and plain rounds let the acceptance evidence fade too, so a few unlucky rounds do not
+  rule speculation out for good.
+* **Round price** (`costs.CostModel.prices`): a candidate's forwards over the plain step's,
+  timed side by side at start-up through the execution path the engine runs, corrected by
+  its measured rounds, each read against the target forward inside it, so that the
+  machine's speed cancels out. A candidate not yet measured takes its forwards' price and
+  its kind's correction, with the variance of not knowing its own.
+
+**Choosing** (`_decide`, every few rounds or when the batch changes):
+
+* the standing choice stays unless a challenger's estimated lead exceeds `lead_noise`
+  standard deviations of the difference: the best of many noisy estimates is biased high,
+  and near-ties are noise (plain decoding is one more option, judged the same way);
+* one round of another candidate is explored, at most once a decision period, when what
+  it could gain exceeds what it loses: the expected improvement over the choice that one
+  more round of evidence could reveal (the knowledge gradient of a normal estimate), times
+  the rounds the batch has left to use it (at most `explore_horizon`), against the value
+  that round gives up. A candidate far behind, or already well measured, is not explored;
+  a close one whose price is still a guess is, once or twice;
+* plain rounds do not feed the drafter, so speculating after them first costs one drafter
+  pass over what it missed: paid once, spread over the rounds the batch has left. A
+  prompt's drafter prefill is priced the same way at admission (`defer_drafter`).
 
 Every candidate is an ordinary lossless round, so whatever the policy picks, the output is
-the target model's. The decision is a few small numpy operations every few rounds.
+the target model's. A decision is a few small numpy operations every few rounds.
 """
 
 from __future__ import annotations
@@ -61,10 +66,32 @@ from branchspec.speculative.policy.tuning import TUNING, Tuning
 from branchspec.speculative.outcome import RoundResult
 
 KINDS = ("chain", "tree")
+_NOTHING = object()            # no option to explore
+
+
+def _normal_pdf(z: float) -> float:
+    return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
 
 
 def _kind(spec: SpecConfig) -> str:
     return "chain" if spec.is_chain else "tree"
+
+
+def _option_kind(option: SpecConfig | None) -> str:
+    return "none" if option is None else _kind(option)
+
+
+def _difference_var(own: np.ndarray, shared: np.ndarray, kinds: list[str], i: int, j: int) -> float:
+    """Variance of the difference of two options' log estimates: their own parts, and
+    their kinds' shared parts unless the kind is the same (then it cancels)."""
+    var = own[i] + own[j]
+    if kinds[i] != kinds[j]:
+        var += shared[i] + shared[j]
+    return float(var)
 
 
 class AdaptivePolicy:
@@ -91,22 +118,29 @@ class AdaptivePolicy:
         self.expected = ExpectedAccept(self.specs, self.acceptance.R)
         # [C] each speculative candidate's longest accepted path, the bonus included
         self._longest_path = np.array([1.0 + min(s.num_steps, s.num_draft_tokens - 1) for s in self.specs])
+        self._labels = [spec_label(s) for s in self.specs]
+        self._kinds = np.array([KINDS.index(_kind(s)) for s in self.specs], dtype=np.intp)
+        self._options: tuple[SpecConfig | None, ...] = (
+            ((None,) if None in policy.candidates else ()) + tuple(self.specs))
+        self._option_kinds = np.array([_option_kind(o) for o in self._options])
+        self._option_labels = [spec_label(o) for o in self._options]
         self.counts: Counter[str] = Counter()        # rounds per configuration label
         self.decide_seconds = 0.0
-        self.last_choice: SpecConfig | None = None
-        self.last_estimate: dict[str, float] = {}
+        self.last_choice: SpecConfig | None = None    # the standing choice (meaningful once decided)
+        self.last_estimate: dict[str, float] = {}     # each option's estimated speed over plain decoding
         # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
         self.accept_sums: dict[str, tuple[float, float]] = {}
-        self._predicted_per_request: float | None = None
+        self._decided = False
+        self._explore = _NOTHING                      # an option to run once, before the choice again
+        self._predicted: dict[SpecConfig, float] = {}   # positional model's tokens a round, at the last decision
+        self._tokens = np.zeros(0)
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
-        self._switched = False
         # Plain rounds over one batch not yet applied to the statistics: they only make
         # estimates drift, so they are applied together when an estimate is next needed.
         self._plain_batch: tuple[int, ...] | None = None
         self._plain_modes: list[int] = []
         self._plain_rounds = 0
-        self._period_scale = 1
 
     @property
     def costs(self) -> CostModel:
@@ -134,7 +168,7 @@ class AdaptivePolicy:
     def defer_drafter(self, batch: BatchView) -> bool:
         """At admission, over the running batch with the new prompts as lag: the drafter's
         prefill runs with the target's, as a fixed configuration's does, unless plain
-        decoding may run and is expected to win even before that prefill is paid, the
+        decoding may run and is the best estimate even before that prefill is paid, the
         prefill priced like any catch-up, spread over the tokens the batch has left (a
         chat of a hundred tokens earns it back, a burst of long prompts with a few tokens
         each to go may not). Then each prompt joins its request's drafter lag, fed only if
@@ -144,9 +178,8 @@ class AdaptivePolicy:
         if not self.specs:
             return True
         self._settle_plain()
-        options, rates, _ = self._rates(batch.seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
-        rates[0] *= 1 + self.tuning.plain_margin
-        return int(np.argmax(rates)) == 0
+        options, value, *_ = self._values(batch.seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
+        return int(np.argmax(value)) == 0
 
     def choose(self, batch: BatchView) -> SpecConfig | None:
         """The configuration for the next round over these requests (see `BatchView`:
@@ -155,64 +188,93 @@ class AdaptivePolicy:
         cost more).
 
         The estimates are recomputed every `redecide_every` rounds (more at large
-        batches), or at once when the batch changed; in between the last choice stands. A
-        new best must beat the standing choice by `switch_margin`: near-ties are within
-        the estimates' noise."""
+        batches), or at once when the batch changed; in between the choice stands, but
+        for the one exploring round a decision may ask for, run right after it."""
         t0 = time.perf_counter()
         seq_ids, t = batch.seq_ids, self.tuning
         key = tuple(seq_ids)
-        every = t.probe_rounds if self._switched else \
-            self._period_scale * max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
+        every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
         if key == self._last_batch and self._rounds_since < every - 1:
             self._rounds_since += 1
-            best = self.last_choice
+            run = self.last_choice
+            if self._explore is not _NOTHING:
+                run, self._explore = self._explore, _NOTHING
         else:
-            best = self._decide(seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
+            self._decide(batch)
             self._last_batch, self._rounds_since = key, 0
-        self.counts[spec_label(best)] += 1
+            run = self.last_choice
+        self.counts[spec_label(run)] += 1
         self.decide_seconds += time.perf_counter() - t0
-        return best
+        return run
 
-    def _decide(self, seq_ids: list[int], lag: list[int] | None = None,
-                remaining: list[int] | None = None, context: float | None = None,
-                modes: list[int] | None = None) -> SpecConfig | None:
+    def _decide(self, batch: BatchView) -> None:
+        """Sets the standing choice and, where it is worth a round, one to explore."""
         self._settle_plain()
-        B = len(seq_ids)
-        specs = self.specs
-        options, rates, emitted = self._rates(seq_ids, lag, remaining, context, modes)
-        estimate = {spec_label(spec): float(rate) for spec, rate in zip(options, rates)}
-        judged = rates.copy()
-        if options[0] is None:
-            judged[0] *= 1 + self.tuning.plain_margin
-        i = int(np.argmax(judged))
-        best, best_rate = options[i], judged[i]
-        if self._last_batch is not None and self.last_choice in self.policy.candidates:
-            standing = judged[options.index(self.last_choice)]
-            if best_rate < (1 + self.tuning.switch_margin) * standing:
-                best = self.last_choice
-        self._switched = (best is None) != (self.last_choice is None)
-        # A clear winner is checked less often: the estimates move by a few percent a round.
-        runner_up = np.partition(judged, -2)[-2] if len(judged) > 1 else 0.0
-        lead = judged[options.index(best)] / runner_up if runner_up > 0 else math.inf
-        self._period_scale = self.tuning.clear_lead_period if lead > self.tuning.clear_lead else 1
-        self.last_choice, self.last_estimate = best, estimate
-        self._predicted_per_request = None if best is None else float(emitted[specs.index(best)]) / B
-        return best
+        seq_ids = batch.seq_ids
+        options, value, own, shared, step = self._values(seq_ids, batch.lag, batch.remaining, batch.context,
+                                                         batch.modes)
+        self.last_estimate = dict(zip(self._option_labels, np.exp(value).tolist()))
+        kinds = self._option_kinds
+        best = int(np.argmax(value))
+        if self._decided and self.last_choice in options:
+            standing = options.index(self.last_choice)
+            if value[best] - value[standing] <= self.tuning.lead_noise * math.sqrt(
+                    _difference_var(own, shared, kinds, best, standing)):
+                best = standing
+        self._explore = self._worth_exploring(options, value, own, shared, step, kinds, best, batch.remaining,
+                                              len(seq_ids))
+        self.last_choice, self._decided = options[best], True
 
-    def _rates(self, seq_ids: list[int], lag: list[int] | None, remaining: list[int] | None,
-               context: float | None, modes: list[int] | None
-               ) -> tuple[list[SpecConfig | None], np.ndarray, np.ndarray | None]:
-        """Every option (plain decoding first, where a candidate), its expected emitted
-        tokens per second over these requests [options], and each speculative candidate's
-        expected tokens per round by the positional model [C] (None without any)."""
+    def _worth_exploring(self, options: list, value: np.ndarray, own: np.ndarray, shared: np.ndarray,
+                         step: np.ndarray, kinds: list[str], best: int, remaining: list[int] | None, B: int):
+        """The option one round of which is worth most beyond what it costs, or _NOTHING.
+
+        One more round of option j would shrink the variance of its own part (`own`, what
+        sets it apart from its kind, and its kind's where that is not the choice's) from v
+        to 1 / (1 / v + 1 / step); the change of its
+        estimate has the standard deviation s = sqrt of the difference, and the choice
+        improves by E[max(0, change - gap)], gap = how far j's estimate lies below the
+        choice's, for every round left to use it. The round itself gives up
+        1 - exp(-gap) of a round's value."""
+        # Only a lead past the noise changes the choice (`lead_noise`): that much more to go.
+        gap = value[best] - value + self.tuning.lead_noise * np.sqrt(
+            own + own[best] + np.where(kinds != kinds[best], shared + shared[best], 0.0))     # [O]
+        # Another kind's round also tells what that kind shares (plain decoding's kind: nil).
+        var = own + np.where(kinds != kinds[best], shared, 0.0)
+        s = np.sqrt(np.maximum(var - 1.0 / (1.0 / var + 1.0 / step), 0.0))
+        tokens = float(self._tokens[best]) / B
+        left = float(np.mean(remaining)) / tokens if remaining else float(self.tuning.explore_horizon)
+        horizon = min(float(self.tuning.explore_horizon), max(left - 1.0, 0.0))
+        if horizon <= 0:
+            return _NOTHING
+        worth = np.full(len(options), -np.inf)
+        for j in np.flatnonzero(gap < 4.0 * s):      # further behind, the gain is nil
+            if j == best:
+                continue
+            z = -gap[j] / s[j]
+            gain = s[j] * (_normal_pdf(z) + z * _normal_cdf(z))
+            worth[j] = horizon * gain - (1.0 - math.exp(value[j] - value[best]))
+        j = int(np.argmax(worth))
+        return options[j] if worth[j] > 0 else _NOTHING
+
+    def _values(self, seq_ids: list[int], lag: list[int] | None, remaining: list[int] | None,
+                context: float | None, modes: list[int] | None
+                ) -> tuple[list[SpecConfig | None], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every option (plain decoding first, where a candidate) with its estimated speed
+        over plain decoding, as a log [O]; the variance of that log in two parts: its own
+        [O] (its price, and its acceptance's departure from its kind's) and its kind's
+        [O] (the acceptance its kind shares, nil for plain decoding); and the variance of
+        what one more round of it measures of its own part [O]. Sets `_tokens` [O]: each
+        option's expected tokens a round over these requests."""
         B = len(seq_ids)
         specs = self.specs
-        options: list[SpecConfig | None] = ([None] if None in self.policy.candidates else []) + list(specs)
-        rates = np.empty(len(options))
-        if options[0] is None:
-            rates[0] = B / self.costs.round_seconds(None, B, context)
-        emitted = None
+        options = self._options
+        price, own, _ = self.costs.prices(options, B, context)                    # [O] plain steps
+        tokens, shared = np.full(len(options), float(B)), np.zeros(len(options))
+        step = np.full(len(options), self.costs.round_noise(B) ** 2)
+        self._predicted = {}
         if specs:
+            k = len(options) - len(specs)
             per_request = self.expected_accept(seq_ids, modes)                # [B, C]
             # A round emits at most its deepest path plus the bonus, and never more than a
             # request has left: the most each request can emit [B, C].
@@ -221,31 +283,34 @@ class AdaptivePolicy:
                 most = np.minimum(most, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
             per_request = np.minimum(per_request, most)
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
-            tokens, seconds = self._speculative(emitted, B, context)
-            # Calibrated (observed / predicted, learnt over the kind's other shapes too), an
-            # estimate may not pass what the round can emit either.
-            tokens = np.minimum(tokens, most.sum(axis=0))
+            self._predicted = dict(zip(specs, emitted.tolist()))
+            calibration, own_tokens, kind_tokens = self._calibrations()       # [C]
+            drafted = np.maximum(calibration * (emitted - B), 0.0)
+            # Calibrated, an estimate may not pass what the round can emit either.
+            tokens[k:] = np.minimum(B + drafted, most.sum(axis=0))
+            # The calibration's relative variance: a count of the tokens behind it, its own
+            # departure from its kind's starting within `accept_spread`.
+            weight = (drafted / tokens[k:]) ** 2
+            own[k:] += weight / (1.0 / self.tuning.accept_spread ** 2 + own_tokens)
+            shared[k:] = weight / kind_tokens
+            step[k:] += weight / np.maximum(emitted - B, 0.5)
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
-                seconds = seconds + self.costs.catch_up_seconds(B, max(lag), context) / np.maximum(1.0, left * B / tokens)
-            rates[len(options) - len(specs):] = tokens / seconds
-        return options, rates, emitted
-
-    def _speculative(self, emitted: np.ndarray, B: int, context: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Each speculative candidate's calibrated tokens per round and round seconds [C],
-        for B requests whose positional model expects `emitted` [C] tokens a round in all."""
-        calibration = np.array([self.calibration(spec) for spec in self.specs])
-        return B + calibration * (emitted - B), self.costs.round_seconds_of(self.specs, B, context)
+                price[k:] = price[k:] + self.costs.catch_up_steps(B, max(lag), context) / \
+                    np.maximum(1.0, left * B / tokens[k:])
+        self._tokens = tokens
+        return options, np.log(tokens / B) - np.log(price), own, shared, step
 
     def observe(self, batch: BatchView, result: RoundResult) -> None:
-        """The outcome of the round `choose` picked over `batch`: its wall time, and for a
-        speculative round its accepted path lengths against the prediction. (What it says
-        about acceptance, the round itself taught the engine's `AcceptanceModel`.)"""
+        """The outcome of the round `choose` picked over `batch`: its wall time against the
+        target forward inside it, and for a speculative round its accepted path lengths
+        against the prediction. (What it says about acceptance, the round itself taught
+        the engine's `AcceptanceModel`.)"""
         t0 = time.perf_counter()
         spec, seq_ids = result.spec, batch.seq_ids
-        self.costs.observe(spec, len(seq_ids), result.seconds, batch.context)
+        self.costs.observe(spec, len(seq_ids), result.seconds, result.phase_seconds.get("verify"), batch.context)
         if spec is None:
             key = tuple(seq_ids)
             if key != self._plain_batch:
@@ -254,9 +319,9 @@ class AdaptivePolicy:
             self._plain_rounds += 1
         elif result.learnt:
             self._settle_plain()
-            if self._predicted_per_request is not None and spec is self.last_choice:
-                self._calibrate(spec, float(sum(result.path_len)), self._predicted_per_request * len(seq_ids),
-                                len(seq_ids))
+            predicted = self._predicted.get(spec)
+            if predicted is not None and self._last_batch == tuple(seq_ids):
+                self._calibrate(spec, float(sum(result.path_len)), predicted, len(seq_ids))
         self.decide_seconds += time.perf_counter() - t0
 
     def _settle_plain(self) -> None:
@@ -283,6 +348,18 @@ class AdaptivePolicy:
             return level
         w = self.tuning.label_weight
         return (own[0] + w * level) / (own[1] + w)
+
+    def _calibrations(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every speculative candidate's `calibration` [C], the decayed predicted tokens
+        of its own behind it [C] and of its kind's [C] (the prior's included)."""
+        self._settle_plain()
+        prior = self.tuning.calibration_prior
+        levels = np.array([self.accept_sums.get(kind, (prior, prior)) for kind in KINDS])    # [2, 2]
+        own = np.array([self.accept_sums.get(label, (0.0, 0.0)) for label in self._labels])  # [C, 2]
+        kind = levels[self._kinds]                                                          # [C, 2]
+        w = self.tuning.label_weight
+        calibration = (own[:, 0] + w * kind[:, 0] / kind[:, 1]) / (own[:, 1] + w)
+        return calibration, own[:, 1], kind[:, 1]
 
     def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int) -> None:
         t = self.tuning

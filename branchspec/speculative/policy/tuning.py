@@ -33,42 +33,46 @@ class Tuning:
     plain_fade: float = 0.97
     # How much of a candidate's accept evidence one of its rounds keeps.
     calibration_keep: float = 0.9
+    # How far (log) a shape's accept calibration may lie from its kind's before its own
+    # rounds say: higher makes untried shapes more worth exploring, and a shape's own
+    # rounds count sooner.
+    accept_spread: float = 0.10
 
     # -- decisions (adaptive.py) ---------------------------------------------------------------
     # Estimates are recomputed every this many rounds while the batch stays the same, or
     # every batch / redecide_per_requests rounds if that is more: a large batch's estimate
-    # moves slowly and costs more to recompute. Fewer rounds react faster and cost more.
+    # moves slowly and costs more to recompute. Fewer rounds react faster and cost more
+    # bookkeeping; at most one exploring round per period, so this also bounds exploration.
     redecide_every: int = 4
     redecide_per_requests: int = 8
-    # A better estimate must beat the standing choice by this much: near-ties are noise,
-    # and every switch costs a catch-up or a warm-up.
-    switch_margin: float = 0.03
-    # Speculation must beat plain decoding's estimate by this much: a speculative estimate
-    # has more ways to be wrong, and losing to plain decoding is the outcome to prevent.
-    plain_margin: float = 0.08
-    # A choice leading every other by this factor is judged `clear_lead_period` times less often.
-    clear_lead: float = 1.15
-    clear_lead_period: int = 4
-    # After a switch between plain decoding and speculation the choice is judged again
-    # this soon: a switch made on a wrong estimate costs this many rounds.
-    probe_rounds: int = 2
+    # A challenger replaces the standing choice once its estimated lead exceeds this many
+    # standard deviations of the difference (the choice is the largest of many noisy
+    # estimates, so its own is biased high). Lower switches sooner on real gains and more
+    # often on noise; plain decoding is judged the same way, with no margin of its own.
+    lead_noise: float = 1.0
+    # Exploring a candidate is worth it when what one more round of it could gain, over the
+    # rounds the information can still be used (the batch's rounds left, at most this
+    # many), exceeds what that round loses. More explores more, and finds a winner sooner
+    # on long generations; fewer settles faster on short ones.
+    explore_horizon: int = 48
 
-    # -- round costs (costs.py) ------------------------------------------------------------------
-    # Measured overheads (measured - predicted round time) kept per (candidate, batch
-    # bucket): more is steadier, fewer follows a change sooner.
-    overhead_history: int = 8
-    # A measured overhead is clamped to [low, high] x the predicted time, so one round
-    # slowed by something else cannot swing a candidate's price.
-    overhead_low: float = -0.5
-    overhead_high: float = 3.0
-    # The load (how much slower than at calibration the machine runs now, which prices a
-    # candidate with nothing of its kind measured at a batch size) is the median of
-    # measured / predicted over this many recent rounds of any candidate: fewer follows a
-    # server's load sooner, more is steadier.
-    load_history: int = 8
-    # Plain decoding's overhead is this quantile of its history (a few slow rounds after a
-    # large prefill would otherwise price it high and pick speculation where it loses).
-    plain_overhead_quantile: float = 0.25
+    # -- round prices (costs.py) ----------------------------------------------------------------
+    # Measured corrections (log of a round's plain steps over its forwards' ratio) kept per
+    # (candidate, batch bucket): more is steadier, fewer follows a change sooner.
+    ratio_history: int = 16
+    # A correction is clamped to +-this (log: 4.5x), so one round slowed by something else (a
+    # prefill in a server, a page fault) cannot swing a candidate's price.
+    ratio_clamp: float = 1.5
+    # Rounds' worth of weight the kind's correction has in a candidate's own: more trusts a
+    # shape's own rounds later (an unlucky round moves it less), fewer sooner.
+    ratio_prior_rounds: float = 2.0
+    # The spread of one round's correction assumed before rounds measure it (log, ~5%):
+    # lower makes the policy commit sooner, higher explore longer.
+    ratio_noise: float = 0.05
+    # How far (log) a shape's correction may lie from its kind's before it is measured:
+    # shapes differ in what their forwards miss (tree metadata, wider acceptance). Higher
+    # makes untried shapes more worth exploring.
+    shape_spread: float = 0.10
     # Predictions are kept per context rounded to this many tokens.
     context_step: int = 32
 
