@@ -14,10 +14,13 @@ configurations than the one it settled on (the one it ran most after the first
 --settle-after rounds of a run), and its bookkeeping per round. Every output must equal
 plain decoding's (greedy, or sampled with the study's per-request seeds). One engine per
 batch size serves every cell of that size, as a server would: the policy's learnt state
-carries from cell to cell. Writes cells.jsonl and cells.md into --out.
+carries from cell to cell. Writes cells.jsonl, cells.md and cells.png (auto / best fixed
+per cell, beside an earlier run's cells.jsonl given as --before) into --out;
+`--plot-only` redraws the plot from --out's cells.jsonl.
 
     python scripts/policy_cells.py --out DIR [--workloads gsm8k,mbpp,sharegpt]
         [--batches 1,4,16] [--temperatures 0,0.7] [--max-tokens 96] [--repeats 3] [--compile]
+        [--before OLD/cells.jsonl] [--plot-only]
 """
 
 from __future__ import annotations
@@ -85,9 +88,14 @@ def main() -> None:
     ap.add_argument("--settle-after", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--mbpp-path", default=None)
+    ap.add_argument("--before", default=None, help="an earlier run's cells.jsonl, drawn beside this one")
+    ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        plot(read_rows(out / "cells.jsonl"), out / "cells.png", read_rows(args.before) if args.before else None)
+        return
     workloads = args.workloads.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -145,6 +153,39 @@ def main() -> None:
                    f"{row['bookkeeping_ms']:.2f} ms/round, same {same}; {dict(rounds.most_common(3))}")
     bar.close()
     write_table(rows, out / "cells.md", args)
+    plot(rows, out / "cells.png", read_rows(args.before) if args.before else None)
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot(rows: list[dict], path: Path, before: list[dict] | None = None) -> None:
+    """Auto / best fixed per cell as bars (an earlier run's beside it), the 0.95 goal drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def key(r):
+        return r["workload"], r["batch"], r["temperature"]
+    labels = [f"{w} b{b} T={t:g}" for w, b, t in map(key, rows)]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 4.5))
+    if before:
+        old = {key(r): r["auto_over_best"] for r in before}
+        ax.bar([i - 0.2 for i in x], [old.get(key(r), float("nan")) for r in rows], 0.4, label="before", color="0.7")
+        ax.bar([i + 0.2 for i in x], [r["auto_over_best"] for r in rows], 0.4, label="now")
+        ax.legend()
+    else:
+        ax.bar(list(x), [r["auto_over_best"] for r in rows], 0.6)
+    ax.axhline(0.95, color="k", ls="--", lw=1)
+    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylim(0.7, 1.15)
+    ax.set_ylabel("auto / best fixed configuration")
+    ax.set_title("SpecConfig.auto() against the best fixed configuration, side by side")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_table(rows: list[dict], path: Path, args) -> None:
