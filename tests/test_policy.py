@@ -728,6 +728,37 @@ def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
     assert choose(runner, [1, 2]) == chain4           # a new batch decides at once
 
 
+def test_requests_leaving_keep_the_schedule_and_their_rounds_still_calibrate():
+    """A request that leaves the batch does not force a decision (one that joins, or a
+    batch size past a power of two, does), and the rounds over what is left still teach
+    the accept calibration, against the prediction for the requests still there."""
+    chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
+    runner = AdaptivePolicy(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
+    runner.expected_accept = lambda ids, modes=None: np.tile([[2.0, 2.5]], (len(ids), 1))
+    prices = {"chain D=3": 1.0, "chain D=4": 0.9}
+    set_prices(runner, prices, noise=0.01)
+    assert choose(runner, [1, 2, 3, 4]) == chain4
+    prices["chain D=4"] = 2.0                        # now clearly worse
+    choose(runner, [1, 2, 3])                          # a request left (it may explore: free)
+    assert runner.last_choice == chain4                # the standing choice stays
+    before = runner.calibration(chain4)
+    children, targets = (t.repeat(3, 1, 1) if t.dim() == 3 else t.repeat(3, 1) for t in chain_outcome(0, depth=3))
+    observe(runner, chain4, [1, 2, 3], 0.01, children, targets, path_len=[1, 1, 1])   # nothing accepted
+    # predicted 3 x 2.5 tokens, 4.5 drafted; observed 3, none drafted: the calibration drops
+    assert runner.calibration(chain4) < before
+    choose(runner, [1, 2, 3, 5])
+    assert runner.last_choice == chain3                # a request joined: decided at once
+    # Negative control: the same departure decides at once when the size bucket changes.
+    runner = AdaptivePolicy(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
+    runner.expected_accept = lambda ids, modes=None: np.tile([[2.0, 2.5]], (len(ids), 1))
+    prices["chain D=4"] = 0.9
+    set_prices(runner, prices, noise=0.01)
+    assert choose(runner, [1, 2, 3, 4]) == chain4
+    prices["chain D=4"] = 2.0
+    choose(runner, [1, 2])                             # batch 4 -> 2
+    assert runner.last_choice == chain3
+
+
 def test_round_costs_follow_the_context():
     """Prices are measured from a short and a long context: a price interpolates between
     them and keeps the longer one's slope beyond it; the plain step's seconds too; a

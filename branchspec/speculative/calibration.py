@@ -304,6 +304,11 @@ class AcceptanceModel:
         if len(self._pending) >= self.REFRESH_ROUNDS:
             self._learn_pending()
 
+    def learn(self) -> None:
+        """Learn every round observed so far now (reads do it anyway): lets a reader keep
+        the rounds' learning apart from its own work when it times itself."""
+        self._learn_pending()
+
     def _learn_pending(self) -> None:
         """Learn the rounds observed so far (`_learn_rounds`)."""
         if not self._pending:

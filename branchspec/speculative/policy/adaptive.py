@@ -133,6 +133,9 @@ class AdaptivePolicy:
         self._decided = False
         self._explore = _NOTHING                      # an option to run once, before the choice again
         self._predicted: dict[SpecConfig, float] = {}   # positional model's tokens a round, at the last decision
+        self._per_request = np.zeros((0, len(self.specs)))    # [B, C] the same, per request of that batch
+        self._request_rows: dict[int, int] = {}
+        self._spec_index = {spec: i for i, spec in enumerate(self.specs)}
         self._tokens = np.zeros(0)
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
@@ -190,11 +193,14 @@ class AdaptivePolicy:
         The estimates are recomputed every `redecide_every` rounds (more at large
         batches), or at once when the batch changed; in between the choice stands, but
         for the one exploring round a decision may ask for, run right after it."""
-        t0 = time.perf_counter()
         seq_ids, t = batch.seq_ids, self.tuning
         key = tuple(seq_ids)
         every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
-        if key == self._last_batch and self._rounds_since < every - 1:
+        decide = self._must_decide(key) or self._rounds_since >= every - 1
+        if decide:
+            self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
+        t0 = time.perf_counter()
+        if not decide:
             self._rounds_since += 1
             run = self.last_choice
             if self._explore is not _NOTHING:
@@ -206,6 +212,18 @@ class AdaptivePolicy:
         self.counts[spec_label(run)] += 1
         self.decide_seconds += time.perf_counter() - t0
         return run
+
+    def _must_decide(self, key: tuple[int, ...]) -> bool:
+        """Whether the batch changed enough to decide at once: a request joined (its
+        acceptance is not in the estimate), or its size moved to another power of two
+        (round prices are kept per such bucket). Requests that leave a batch barely move
+        its estimate; the next scheduled decision sees them."""
+        last = self._last_batch
+        if key == last:
+            return False
+        if last is None or not set(key) <= set(last):
+            return True
+        return CostModel.bucket(len(key)) != CostModel.bucket(len(last))
 
     def _decide(self, batch: BatchView) -> None:
         """Sets the standing choice and, where it is worth a round, one to explore."""
@@ -284,6 +302,7 @@ class AdaptivePolicy:
             per_request = np.minimum(per_request, most)
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
             self._predicted = dict(zip(specs, emitted.tolist()))
+            self._per_request, self._request_rows = per_request, {sid: i for i, sid in enumerate(seq_ids)}
             calibration, own_tokens, kind_tokens = self._calibrations()       # [C]
             drafted = np.maximum(calibration * (emitted - B), 0.0)
             # Calibrated, an estimate may not pass what the round can emit either.
@@ -319,10 +338,20 @@ class AdaptivePolicy:
             self._plain_rounds += 1
         elif result.learnt:
             self._settle_plain()
-            predicted = self._predicted.get(spec)
-            if predicted is not None and self._last_batch == tuple(seq_ids):
+            predicted = self._prediction(spec, seq_ids)
+            if predicted is not None:
                 self._calibrate(spec, float(sum(result.path_len)), predicted, len(seq_ids))
         self.decide_seconds += time.perf_counter() - t0
+
+    def _prediction(self, spec: SpecConfig, seq_ids: list[int]) -> float | None:
+        """The tokens the last decision predicted a round of `spec` emits over these
+        requests (the batch it decided for, or part of it), None if it did not."""
+        if self._last_batch == tuple(seq_ids):
+            return self._predicted.get(spec)
+        c, rows = self._spec_index.get(spec), [self._request_rows.get(s) for s in seq_ids]
+        if c is None or None in rows:
+            return None
+        return float(self._per_request[rows, c].sum())
 
     def _settle_plain(self) -> None:
         """Apply the plain rounds seen since the last estimate: each request's acceptance

@@ -37,7 +37,9 @@ class SpecPolicy(Protocol):
     # selection's rounds always do)
     reads_acceptance: bool
     counts: Counter                # rounds run per configuration label
-    decide_seconds: float          # time spent choosing and learning
+    decide_seconds: float          # time spent choosing and learning from outcomes (not the
+                                   # acceptance model's learning of verified rounds, which every
+                                   # calibrated round pays alike)
 
     def check(self, cfg: ModelConfig, has_drafter: bool, limits: RoundLimits | None = None) -> None:
         """ValueError naming what the model lacks to run this policy, or the knob whose

@@ -34,6 +34,12 @@ def grid_keys(candidates: tuple[SpecConfig | None, ...]) -> tuple[str, ...]:
     return tuple(sorted({PLAIN} | {spec_label(c) for c in candidates}))
 
 
+def _median(values) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
 def _kind(label: str) -> str:
     return PLAIN if label == PLAIN else ("chain" if label.startswith("chain") else "tree")
 
@@ -90,6 +96,7 @@ class CostModel:
         self._priced: dict[tuple, tuple] = {}
         self._calibrated: dict[tuple, tuple] = {}
         self._warm: set[tuple[str, int]] = set()
+        self._labels: dict[int, tuple] = {}     # per id of a candidate tuple: the tuple, its labels
 
     @classmethod
     def flat(cls, target: float, drafter: float, batches: tuple[int, ...] = (1, 64),
@@ -205,7 +212,9 @@ class CostModel:
 
     def _settle(self, bucket: int) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[float, float]], float]:
         """Per label its median correction and count, per kind the mean and spread of its
-        labels' corrections, and the pooled noise of one round's correction, at `bucket`."""
+        labels' corrections, and the pooled noise of one round's correction, at `bucket`.
+        (Plain Python: a few dozen short lists, where each numpy call would cost more than
+        its arithmetic.)"""
         if bucket not in self._settled:
             t = self.tuning
             own: dict[str, tuple[float, int]] = {}
@@ -213,9 +222,10 @@ class CostModel:
             for (label, b), seen in self.corrections.items():
                 if b != bucket or not seen:
                     continue
-                own[label] = (float(np.median(seen)), len(seen))
+                own[label] = (_median(seen), len(seen))
                 if len(seen) > 2:
-                    within += float(np.var(seen)) * (len(seen) - 1)
+                    mean = sum(seen) / len(seen)
+                    within += sum((x - mean) ** 2 for x in seen)
                     pairs += len(seen) - 1
             noise = math.sqrt((within + t.ratio_noise ** 2 * t.ratio_prior_rounds) / (pairs + t.ratio_prior_rounds))
             kinds: dict[str, tuple[float, float]] = {}
@@ -223,8 +233,8 @@ class CostModel:
             for kind in ("chain", "tree", PLAIN):
                 means = [m for label, (m, _) in own.items() if _kind(label) == kind] or \
                     ([] if kind == PLAIN else speculative)
-                mean = float(np.mean(means)) if means else 0.0
-                spread = float(np.std(means)) if len(means) > 1 else 0.0
+                mean = sum(means) / len(means) if means else 0.0
+                spread = math.sqrt(sum((m - mean) ** 2 for m in means) / len(means)) if len(means) > 1 else 0.0
                 kinds[kind] = (mean, spread if kind == PLAIN else max(spread, t.shape_spread))
             self._settled[bucket] = (own, kinds, noise)
             self._priced = {key: v for key, v in self._priced.items() if key[1] != bucket}
@@ -240,8 +250,7 @@ class CostModel:
         if key not in self._priced or self._priced[key][0] is not specs:
             n0 = self.tuning.ratio_prior_rounds
             correction, var, weight = np.empty(len(specs)), np.empty(len(specs)), np.empty(len(specs))
-            for i, spec in enumerate(specs):
-                label = spec_label(spec)
+            for i, label in enumerate(self._labels_of(specs)):
                 kind_mean, spread = kinds[_kind(label)]
                 mean, n = own.get(label, (0.0, 0))
                 prior = n0 / (n + n0)
@@ -254,6 +263,12 @@ class CostModel:
         if at not in self._calibrated or self._calibrated[at][0] is not specs:
             self._calibrated[at] = (specs, np.array([self.calibrated(s, batch, context) for s in specs]))
         return self._calibrated[at][1] * scale, var.copy(), weight
+
+    def _labels_of(self, specs: tuple[SpecConfig | None, ...]) -> list[str]:
+        key = id(specs)
+        if key not in self._labels or self._labels[key][0] is not specs:
+            self._labels[key] = (specs, [spec_label(s) for s in specs])
+        return self._labels[key][1]
 
     def round_noise(self, batch: int) -> float:
         """The standard deviation of one measured round's log correction at this batch."""
