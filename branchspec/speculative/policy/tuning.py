@@ -21,20 +21,16 @@ class Tuning:
 
     # -- accept calibration (adaptive.py) ----------------------------------------------------
     # Pseudo-tokens each kind's (chain, tree) observed/predicted ratio starts with: more
-    # makes a kind harder to condemn after unlucky rounds, and slower to correct. (16 kept
-    # sampled ShareGPT at batch 1 near level for good: a round there predicts about one
-    # drafted token, and the model overpredicted them by a third.)
-    calibration_prior: float = 4.0
+    # makes a kind harder to condemn after unlucky rounds, and slower to correct.
+    calibration_prior: float = 16.0
     # A candidate's own ratio is shrunk towards its kind's with this many predicted tokens.
     label_weight: float = 8.0
     # Per speculative round, what did not run fades by this (kinds back towards level):
     # the rounds that run are the ones whose estimates were high, so what they measure is
     # biased low, and a shape set low that way would otherwise never be measured again.
     calibration_fade: float = 0.98
-    # Per plain round, every calibration drifts this much of the way back towards level
-    # (0.99: half its evidence kept over 70 plain rounds; 0.97 forgot a run's evidence
-    # before the next, so a cell where plain decoding wins tried speculating again).
-    plain_fade: float = 0.99
+    # Per plain round, every calibration drifts this much of the way back towards level.
+    plain_fade: float = 0.97
     # How much of a candidate's accept evidence one of its rounds keeps.
     calibration_keep: float = 0.9
     # How far (log) a shape's accept calibration may lie from its kind's before its own
