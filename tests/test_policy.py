@@ -16,7 +16,7 @@ from branchspec.speculative.calibration import (GREEDY, HITS, NEW_REQUEST, SAMPL
                                                 AcceptanceModel)
 from branchspec.speculative.policy.acceptance import OFF, ExpectedAccept, candidate_paths
 from branchspec.speculative.policy.adaptive import AdaptivePolicy
-from branchspec.speculative.policy.costs import CATCH_UP_TOKENS, CostModel, grid_keys
+from branchspec.speculative.policy.costs import CATCH_UP_TOKENS, DRAW_ROWS, CostModel, grid_keys
 from branchspec.speculative.profiling import calibration_batches, load_or_calibrate
 from branchspec.speculative.policy.tuning import TUNING
 from branchspec.speculative.outcome import RoundResult
@@ -478,6 +478,32 @@ def test_a_round_is_priced_in_plain_steps_from_its_measured_rounds():
     assert costs.price(None, 8) == pytest.approx(1.1, rel=0.01)
 
 
+def test_a_sampled_batch_prices_the_draw_at_every_verify_node():
+    """Over sampled requests a verify pass draws the target's token at every node (a plain
+    step at every request) inside the forward's own call. Prices are then in the sampled
+    batch's own plain steps: (round + draw over B x D nodes) / (plain step + draw over B),
+    and a sampled round that costs that, read against its forward (which the draw slows
+    too), corrects nothing. Negative control: without the draws, rounds read that way
+    price the chain a quarter below what it costs."""
+    chain, B = SpecConfig.chain(4), 8
+    costs, control = flat_costs(10.0, 1.0), flat_costs(10.0, 1.0)
+    costs.draws = 0.2e-3 * np.asarray(DRAW_ROWS, float)             # 0.2 ms a node: 0.02 plain steps
+    at_nodes, at_roots = 0.02 * B * chain.num_draft_tokens, 0.02 * B
+    rounds = costs.calibrated(chain, B)
+    truth = (rounds + at_nodes) / (1.0 + at_roots)
+    assert costs.price(chain, B) == pytest.approx(rounds)                        # a greedy batch
+    price, _, _ = costs.prices((chain, None), B, None, sampled=True)
+    assert price == pytest.approx([truth, 1.0])
+    step, verify = costs.plain_seconds(B), costs._price_of("verify", chain, B, None)
+    for _ in range(10):
+        for c, sampled in ((costs, True), (control, False)):
+            c.observe(chain, B, (rounds + at_nodes) * step, forward_seconds=(verify + at_nodes) * step,
+                      sampled=sampled)
+    assert costs.prices((chain,), B, None, sampled=True)[0][0] == pytest.approx(truth, rel=1e-6)
+    assert costs.prices((None,), B, None, sampled=True)[0][0] == pytest.approx(1.0)
+    assert control.prices((chain,), B, None, sampled=True)[0][0] < 0.8 * truth
+
+
 def test_a_slow_spell_of_the_machine_cancels_out_of_a_price():
     """A measured round is read against the target forward inside it: when the machine
     runs three times slower during a candidate's rounds, its forward does too, and its
@@ -703,7 +729,7 @@ def test_cli_refuses_contradicting_policy_flags(argv, message, capsys):
 
 def set_prices(runner, prices: dict[str, float], noise: float = 0.01) -> None:
     """Price the runner's options (by label, in plain steps) with a known variance."""
-    runner.costs.prices = lambda specs, b, context=None: (
+    runner.costs.prices = lambda specs, b, context=None, sampled=False: (
         np.array([prices[spec_label(s)] for s in specs]), np.full(len(specs), noise ** 2), np.full(len(specs), 10.0))
     runner.costs.round_noise = lambda b: noise
 
@@ -817,7 +843,7 @@ def test_exploring_is_for_close_candidates_whose_estimate_could_still_change_the
         runner = AdaptivePolicy(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5))
         runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 2))
         prices = {"chain D=3": 1.0, "chain D=4": price}
-        runner.costs.prices = lambda specs, b, context=None: (
+        runner.costs.prices = lambda specs, b, context=None, sampled=False: (
             np.array([prices[spec_label(s)] for s in specs]), np.array([0.01 ** 2, own_noise ** 2]), np.ones(2))
         runner.costs.round_noise = lambda b: 0.01
         return [spec_label(choose(runner, [1], remaining=None if remaining is None else [remaining]))

@@ -25,7 +25,7 @@ from branchspec.config import SpecConfig, spec_label
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.threads import one_row_products
 from branchspec.machine import cpu_model_name
-from branchspec.speculative.policy.costs import CATCH_UP_TOKENS, CONTEXTS, PLAIN, CostModel, grid_keys
+from branchspec.speculative.policy.costs import CATCH_UP_TOKENS, CONTEXTS, DRAW_ROWS, PLAIN, CostModel, grid_keys
 
 
 def median_seconds(runs: list, repeats: int, device: torch.device | str = "cpu") -> list[float]:
@@ -195,6 +195,28 @@ def _timed(rounds: LiveRounds, spec: SpecConfig | None, sync) -> tuple[float, fl
     return seconds, result.phase_seconds.get("verify", seconds), result.catch_up_seconds
 
 
+def draw_seconds(vocab_size: int, device: torch.device, repeats: int = 5) -> np.ndarray:
+    """Seconds of drawing the target's token by its seeded inverse CDF at a temperature
+    (`sampling.draw_tokens`, what a verify pass over sampled requests runs at each node)
+    over each of DRAW_ROWS nodes of a `vocab_size` vocabulary: [len(DRAW_ROWS)]. Timed
+    eagerly: inside a compiled graph the draw may cost less, which the policy's measured
+    rounds then correct."""
+    from branchspec.sampling import NodeDraws, draw_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    runs = []
+    for rows in DRAW_ROWS:
+        logits = torch.randn(rows, 1, vocab_size, generator=gen).to(device)
+        draws = NodeDraws(rows=torch.ones(rows, dtype=torch.bool, device=device),
+                          temperature=torch.full((rows,), 0.7, dtype=torch.float64, device=device),
+                          uniforms=torch.rand(rows, 1, dtype=torch.float64, generator=gen).to(device))
+        depth = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        argmax = logits.argmax(-1)
+        runs.append(lambda logits=logits, draws=draws, depth=depth, argmax=argmax:
+                    draw_tokens(logits, draws, depth, argmax))
+    return np.array(median_seconds(runs, repeats, device))
+
+
 @torch.no_grad()
 def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None, ...], repeats: int = 3,
               progress: bool = False, vocab=None) -> CostModel:
@@ -209,7 +231,9 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
     slow spell of a shared machine falls on both sides of a ratio alike; after one untimed
     pass, each price is the median of `repeats` passes, each from a fresh prefill of the
     context. A speculative round after a plain step first catches up one position; longer
-    catch-ups are timed after CATCH_UP_TOKENS plain steps in a row, against those steps."""
+    catch-ups are timed after CATCH_UP_TOKENS plain steps in a row, against those steps.
+    The requests are greedy; what sampling adds, a draw at every node, is timed apart
+    (`draw_seconds`)."""
     specs = tuple(c for c in candidates if c is not None)
     keys = grid_keys(candidates)
     index = {key: j for j, key in enumerate(keys)}
@@ -266,7 +290,8 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
                     if samples[name][i][j][k]:
                         grids[name][i, j, k] = float(np.median(samples[name][i][j][k]))
     grids["catch_up"] = catch_up
-    return CostModel(batches, keys, grids, plain, contexts)
+    draws = draw_seconds(model.cfg.vocab_size, device)
+    return CostModel(batches, keys, grids, plain, contexts, draws=draws)
 
 
 def calibration_key(executor, max_batch_size: int, keys: tuple[str, ...], vocab_size: int | None = None) -> str:

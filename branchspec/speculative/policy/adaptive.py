@@ -57,7 +57,7 @@ from typing import Callable
 import numpy as np
 
 from branchspec.config import AutoPolicy, ModelConfig, SpecConfig, spec_label
-from branchspec.speculative.calibration import GREEDY, AcceptanceModel
+from branchspec.speculative.calibration import GREEDY, SAMPLED, AcceptanceModel
 from branchspec.speculative.policy.acceptance import ExpectedAccept
 from branchspec.speculative.footprint import RoundLimits
 from branchspec.speculative.policy.base import BatchView, check_speculation
@@ -287,7 +287,8 @@ class AdaptivePolicy:
         B = len(seq_ids)
         specs = self.specs
         options = self._options
-        price, own, _ = self.costs.prices(options, B, context)                    # [O] plain steps
+        sampled = bool(modes) and SAMPLED in modes
+        price, own, _ = self.costs.prices(options, B, context, sampled)           # [O] plain steps
         tokens, shared = np.full(len(options), float(B)), np.zeros(len(options))
         step = np.full(len(options), self.costs.round_noise(B) ** 2)
         self._predicted = {}
@@ -317,7 +318,8 @@ class AdaptivePolicy:
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
-                price[k:] = price[k:] + self.costs.catch_up_steps(B, max(lag), context) / \
+                unit = 1.0 + self.costs.draw_steps(B, B, context) if sampled else 1.0   # a plain step's
+                price[k:] = price[k:] + self.costs.catch_up_steps(B, max(lag), context) / unit / \
                     np.maximum(1.0, left * B / tokens[k:])
         self._tokens = tokens
         return options, np.log(tokens / B) - np.log(price), own, shared, step
@@ -329,7 +331,8 @@ class AdaptivePolicy:
         the engine's `AcceptanceModel`.)"""
         t0 = time.perf_counter()
         spec, seq_ids = result.spec, batch.seq_ids
-        self.costs.observe(spec, len(seq_ids), result.seconds, result.phase_seconds.get("verify"), batch.context)
+        self.costs.observe(spec, len(seq_ids), result.seconds, result.phase_seconds.get("verify"), batch.context,
+                           sampled=bool(batch.modes) and SAMPLED in batch.modes)
         if spec is None:
             key = tuple(seq_ids)
             if key != self._plain_batch:

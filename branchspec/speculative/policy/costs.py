@@ -27,6 +27,10 @@ GRIDS = ("round", "verify", "catch_up")
 CATCH_UP_TOKENS = (1, 16, 64)
 # Committed tokens the grids are measured from: a short context and a long one.
 CONTEXTS = (128, 512)
+# Nodes (over all requests) at which drawing the target's token by its seeded inverse CDF
+# is timed: what a verify pass or plain step over sampled requests does beyond the argmax
+# the grids were measured with.
+DRAW_ROWS = (1, 16, 64, 256, 1024)
 
 
 def grid_keys(candidates: tuple[SpecConfig | None, ...]) -> tuple[str, ...]:
@@ -57,6 +61,14 @@ class CostModel:
     lag (beyond the longest: in proportion). A candidate outside the grid is priced by
     `unmeasured` (ValueError here; `flat` models price any).
 
+    **Sampled batches.** Where a request samples, a verify pass draws the target's token
+    at every node of every request (a plain step at every request), inside the forward's
+    own call: `draws[r]` is that draw's seconds over DRAW_ROWS[r] nodes. Prices are then
+    in the sampled batch's own plain steps, (round + draw over B x D nodes) over (plain
+    step + draw over B), the draw in the grids' plain steps (`draw_steps`). Without it a
+    tree of D nodes would look as cheap as in a greedy batch, and its measured rounds
+    could not say otherwise: they are read against a forward that the draw slows too.
+
     **Corrections.** A round measured as it serves is converted to plain steps at the
     speed the machine had during that very round: (its seconds / its target forward's) x
     the forward's calibrated price. Per (candidate, batch bucket) the last `ratio_history`
@@ -69,7 +81,8 @@ class CostModel:
     """
 
     def __init__(self, batches: tuple[int, ...], keys: tuple[str, ...], grids: dict[str, np.ndarray],
-                 plain: np.ndarray, contexts: tuple[int, ...] = CONTEXTS, tuning: Tuning = TUNING):
+                 plain: np.ndarray, contexts: tuple[int, ...] = CONTEXTS, tuning: Tuning = TUNING,
+                 draws: np.ndarray | None = None):
         self.batches, self.keys, self.contexts, self.tuning = tuple(batches), tuple(keys), tuple(contexts), tuning
         if list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError(f"contexts must be increasing, got {self.contexts}")
@@ -86,6 +99,9 @@ class CostModel:
         if self.plain.shape != (len(self.batches), len(self.contexts)):
             raise ValueError(f"the plain step's seconds must have shape {(len(self.batches), len(self.contexts))}, "
                              f"got {self.plain.shape}")
+        self.draws = None if draws is None else np.asarray(draws, float)
+        if self.draws is not None and self.draws.shape != (len(DRAW_ROWS),):
+            raise ValueError(f"the draw seconds must have shape {(len(DRAW_ROWS),)}, got {self.draws.shape}")
         self._index = {key: j for j, key in enumerate(self.keys)}
         # log(measured / calibrated price) of the counted rounds, per (label, batch bucket)
         self.corrections: dict[tuple[str, int], deque[float]] = {}
@@ -180,12 +196,27 @@ class CostModel:
         steps = float(np.interp(min(lag, top), CATCH_UP_TOKENS, row))
         return steps * lag / top if lag > top else steps
 
+    def draw_steps(self, nodes: int, batch: int, context: float | None = None) -> float:
+        """Drawing the target's token at `nodes` nodes (sampled requests), in the grids'
+        (greedy) plain steps at `batch`; nil without measured draws."""
+        if self.draws is None or nodes <= 0:
+            return 0.0
+        top = DRAW_ROWS[-1]
+        seconds = float(np.interp(min(nodes, top), DRAW_ROWS, self.draws)) * max(1.0, nodes / top)
+        return seconds / self.plain_seconds(batch, context)
+
+    def _sampled(self, spec: SpecConfig | None, batch: int, context: float | None) -> tuple[float, float]:
+        """A sampled batch's draw at `spec`'s verify nodes and at a plain step's, in the
+        grids' plain steps."""
+        nodes = spec.num_draft_tokens if spec is not None else 1
+        return self.draw_steps(batch * nodes, batch, context), self.draw_steps(batch, batch, context)
+
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, (batch - 1).bit_length())
 
     def observe(self, spec: SpecConfig | None, batch: int, seconds: float, forward_seconds: float | None = None,
-                context: float | None = None) -> None:
+                context: float | None = None, sampled: bool = False) -> None:
         """A measured round of `seconds` over `context` committed tokens on average, whose
         target forward (its verify phase; a plain step's forward) took `forward_seconds`.
         In plain steps at the speed of that moment it is (seconds / forward_seconds) x the
@@ -193,19 +224,21 @@ class CostModel:
         plain step (as if the machine ran at calibration speed). A candidate's first round
         at a batch bucket pays one-time costs (allocation, a new shape's metadata) and is
         not counted, nor is a round of a configuration without a calibrated price (one a
-        caller forced outside the candidates): there is nothing to correct."""
+        caller forced outside the candidates): there is nothing to correct. `sampled`: some
+        request of the batch samples, so its forward also drew a token at every node."""
         key = (spec_label(spec), self.bucket(batch))
         if not self.knows(spec):
             return
         if key not in self._warm:
             self._warm.add(key)
             return
+        draw = self._sampled(spec, batch, context)[0] if sampled else 0.0
         if forward_seconds is not None and forward_seconds > 0:
-            steps = seconds / forward_seconds * self._price_of("verify", spec, batch, context)
+            steps = seconds / forward_seconds * (self._price_of("verify", spec, batch, context) + draw)
         else:
             steps = seconds / self.plain_seconds(batch, context)
         t = self.tuning
-        correction = math.log(max(steps, 1e-9) / self.calibrated(spec, batch, context))
+        correction = math.log(max(steps, 1e-9) / (self.calibrated(spec, batch, context) + draw))
         history = self.corrections.setdefault(key, deque(maxlen=t.ratio_history))
         history.append(min(max(correction, -t.ratio_clamp), t.ratio_clamp))
         self._settled.pop(key[1], None)
@@ -240,10 +273,11 @@ class CostModel:
             self._priced = {key: v for key, v in self._priced.items() if key[1] != bucket}
         return self._settled[bucket]
 
-    def prices(self, specs: tuple[SpecConfig | None, ...], batch: int, context: float | None = None
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each candidate's round in plain decode steps [C], the variance of its log [C],
-        and the rounds of evidence behind it [C] (its own, plus the prior's weight)."""
+    def prices(self, specs: tuple[SpecConfig | None, ...], batch: int, context: float | None = None,
+               sampled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each candidate's round in plain decode steps [C] (a sampled batch's own, where
+        `sampled`), the variance of its log [C], and the rounds of evidence behind it [C]
+        (its own, plus the prior's weight)."""
         bucket = self.bucket(batch)
         own, kinds, noise = self._settle(bucket)
         key = (id(specs), bucket)           # hashing every SpecConfig of a tuple costs more than pricing
@@ -259,9 +293,13 @@ class CostModel:
                 weight[i] = n + n0
             self._priced[key] = (specs, np.exp(correction), var, weight)
         _, scale, var, weight = self._priced[key]
-        at = (id(specs), batch, self._context(context))
+        at = (id(specs), batch, self._context(context), sampled and self.draws is not None)
         if at not in self._calibrated or self._calibrated[at][0] is not specs:
-            self._calibrated[at] = (specs, np.array([self.calibrated(s, batch, context) for s in specs]))
+            calibrated = np.array([self.calibrated(s, batch, context) for s in specs])
+            if at[3]:
+                draws = np.array([self._sampled(s, batch, context) for s in specs])     # [C, 2]
+                calibrated = (calibrated + draws[:, 0]) / (1.0 + draws[:, 1])
+            self._calibrated[at] = (specs, calibrated)
         return self._calibrated[at][1] * scale, var.copy(), weight
 
     def _labels_of(self, specs: tuple[SpecConfig | None, ...]) -> list[str]:
@@ -280,12 +318,14 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"batches": list(self.batches), "keys": list(self.keys), "contexts": list(self.contexts),
-                "grids": {name: g.tolist() for name, g in self.grids.items()}, "plain": self.plain.tolist()}
+                "grids": {name: g.tolist() for name, g in self.grids.items()}, "plain": self.plain.tolist(),
+                "draws": None if self.draws is None else self.draws.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict, tuning: Tuning = TUNING) -> "CostModel":
+        draws = d.get("draws")
         return cls(tuple(d["batches"]), tuple(d["keys"]), {name: np.array(g) for name, g in d["grids"].items()},
-                   np.array(d["plain"]), tuple(d["contexts"]), tuning)
+                   np.array(d["plain"]), tuple(d["contexts"]), tuning, None if draws is None else np.array(draws))
 
 
 class FlatCosts(CostModel):
