@@ -534,7 +534,7 @@ def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():
     assert choose(runner, [1], lag=[0], remaining=[100]) == chain4
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 2.0)
-    runner.costs.catch_up_steps = lambda batch, lag, context=None: 0.05 * lag
+    runner.costs.catch_up_steps = lambda batch, lag, context=None, sampled=False: 0.05 * lag
     assert choose(runner, [1], lag=[600], remaining=[1000]) == chain4
     runner._last_batch = None
     assert choose(runner, [1], lag=[600], remaining=[8]) is None
@@ -570,7 +570,7 @@ def test_the_drafter_is_prefilled_with_the_target_when_speculation_earns_it_back
     runner = engine.policy(SpecConfig.auto())
     # Fixed costs: the decision must not depend on how fast this machine was just now.
     runner._costs = flat_costs(10.0, 0.5)
-    runner.costs.catch_up_steps = lambda batch, lag, context=None: 1e-3 * lag * batch
+    runner.costs.catch_up_steps = lambda batch, lag, context=None, sampled=False: 1e-3 * lag * batch
     seq = engine.add_request(prompts[1], SamplingParams(max_tokens=64, ignore_eos=True))
     engine._admit(runner)
     assert not engine.drafter.lag(seq.seq_id)
@@ -588,7 +588,7 @@ def test_a_prompts_drafter_prefill_waits_unless_speculation_earns_it_back():
     chain4 = SpecConfig.chain(4)
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 2.5)
-    runner.costs.catch_up_steps = lambda batch, lag, context=None: 0.02 * lag * batch
+    runner.costs.catch_up_steps = lambda batch, lag, context=None, sampled=False: 0.02 * lag * batch
     assert not runner.defer_drafter(BatchView([1], [200], [256], 200.0))
     burst = list(range(32))
     assert runner.defer_drafter(BatchView(burst, [200] * 32, [16] * 32, 200.0))

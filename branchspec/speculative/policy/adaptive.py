@@ -77,6 +77,11 @@ def _normal_cdf(z: float) -> float:
     return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
 
 
+def _samples(modes: list[int] | None) -> bool:
+    """Whether some request of a batch samples (its verify passes then draw at every node)."""
+    return bool(modes) and SAMPLED in modes
+
+
 def _kind(spec: SpecConfig) -> str:
     return "chain" if spec.is_chain else "tree"
 
@@ -287,7 +292,7 @@ class AdaptivePolicy:
         B = len(seq_ids)
         specs = self.specs
         options = self._options
-        sampled = bool(modes) and SAMPLED in modes
+        sampled = _samples(modes)
         price, own, _ = self.costs.prices(options, B, context, sampled)           # [O] plain steps
         tokens, shared = np.full(len(options), float(B)), np.zeros(len(options))
         step = np.full(len(options), self.costs.round_noise(B) ** 2)
@@ -318,8 +323,7 @@ class AdaptivePolicy:
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
-                unit = 1.0 + self.costs.draw_steps(B, B, context) if sampled else 1.0   # a plain step's
-                price[k:] = price[k:] + self.costs.catch_up_steps(B, max(lag), context) / unit / \
+                price[k:] = price[k:] + self.costs.catch_up_steps(B, max(lag), context, sampled) / \
                     np.maximum(1.0, left * B / tokens[k:])
         self._tokens = tokens
         return options, np.log(tokens / B) - np.log(price), own, shared, step
@@ -332,7 +336,7 @@ class AdaptivePolicy:
         t0 = time.perf_counter()
         spec, seq_ids = result.spec, batch.seq_ids
         self.costs.observe(spec, len(seq_ids), result.seconds, result.phase_seconds.get("verify"), batch.context,
-                           sampled=bool(batch.modes) and SAMPLED in batch.modes)
+                           sampled=_samples(batch.modes))
         if spec is None:
             key = tuple(seq_ids)
             if key != self._plain_batch:

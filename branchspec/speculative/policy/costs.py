@@ -186,15 +186,17 @@ class CostModel:
         """Seconds of one round of `spec`, as calibrated."""
         return self.calibrated(spec, batch, context) * self.plain_seconds(batch, context)
 
-    def catch_up_steps(self, batch: int, lag: int, context: float | None = None) -> float:
-        """One drafter pass over `lag` positions per request, in plain decode steps: the
-        price of speculating after rounds (or a prefill) the drafter did not follow."""
+    def catch_up_steps(self, batch: int, lag: int, context: float | None = None, sampled: bool = False) -> float:
+        """One drafter pass over `lag` positions per request, in plain decode steps (a
+        sampled batch's own, where `sampled`): the price of speculating after rounds (or a
+        prefill) the drafter did not follow."""
         if lag <= 0:
             return 0.0
         row = self._cell("catch_up", batch, self._context(context))
         top = CATCH_UP_TOKENS[-1]
         steps = float(np.interp(min(lag, top), CATCH_UP_TOKENS, row))
-        return steps * lag / top if lag > top else steps
+        steps = steps * lag / top if lag > top else steps
+        return steps / (1.0 + self.draw_steps(batch, batch, context)) if sampled else steps
 
     def draw_steps(self, nodes: int, batch: int, context: float | None = None) -> float:
         """Drawing the target's token at `nodes` nodes (sampled requests), in the grids'
