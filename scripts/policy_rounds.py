@@ -24,6 +24,7 @@ from policy_cells import FIXED
 from branchspec import LLM, SpecConfig
 from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
 from branchspec.config import spec_label
+from branchspec.speculative.calibration import SAMPLED
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
 
     def hooked_values(seq_ids, *rest):
         out = values(seq_ids, *rest)
-        price = policy.costs.prices(out[0], len(seq_ids), rest[2])[0]
+        price = policy.costs.prices(out[0], len(seq_ids), rest[2], bool(rest[3]) and SAMPLED in rest[3])[0]
         estimate.update({o: (policy._tokens[i], price[i]) for i, o in enumerate(out[0])})
         return out
     policy._values = hooked_values

@@ -624,6 +624,28 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     np.testing.assert_array_equal(again.grids["round"], first.grids["round"])
 
 
+def test_a_verify_forward_is_priced_by_its_node_count_not_its_shape():
+    """Three candidates verify 8 nodes and one 4; one of the 8-node shapes drew slow
+    verify samples (a noisy spell of the machine). Pooled, every 8-node shape gets the
+    same verify price (the median of all their samples), and each round is that price
+    plus its own drafting remainder, so the slow samples do not make that shape dearer."""
+    from branchspec.speculative.profiling import pooled_verify
+
+    verify = [[1.10, 1.12, 1.11], [1.30, 1.32, 1.31], [1.09, 1.13, 1.12], [1.02, 1.03, 1.01]]
+    remainder = [0.50, 0.50, 0.90, 0.40]                     # drafting and extending, per shape
+    rounds = [[v + r for v in vs] for vs, r in zip(verify, remainder)]
+    round_price, verify_price = pooled_verify(rounds, verify, [8, 8, 8, 4])
+    pooled = float(np.median(verify[0] + verify[1] + verify[2]))
+    assert verify_price[:3] == pytest.approx([pooled] * 3) and verify_price[3] == pytest.approx(1.02)
+    assert round_price == pytest.approx([pooled + 0.5, pooled + 0.5, pooled + 0.9, 1.02 + 0.4])
+    # Negative control: priced from its own samples alone, the slow shape is 18% dearer
+    # than its twin with the same drafting.
+    own = [float(np.median(r)) for r in rounds]
+    assert own[1] / own[0] > 1.1 and round_price[1] == pytest.approx(round_price[0])
+    # A candidate without samples stays unpriced.
+    assert pooled_verify([[], [1.5]], [[], [1.1]], [8, 8]) == ([None, pytest.approx(1.5)], [None, 1.1])
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(candidates=()), "non-empty"),
     (dict(candidates=(SpecConfig.chain(3), "chain")), "candidates\\[1\\]"),

@@ -230,7 +230,8 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
     candidate's sample is its round over the mean of the two plain steps around it, so a
     slow spell of a shared machine falls on both sides of a ratio alike; after one untimed
     pass, each price is the median of `repeats` passes, each from a fresh prefill of the
-    context. A speculative round after a plain step first catches up one position; longer
+    context, the verify forward's pooled over every candidate of its node count
+    (`pooled_verify`). A speculative round after a plain step first catches up one position; longer
     catch-ups are timed after CATCH_UP_TOKENS plain steps in a row, against those steps.
     The requests are greedy; what sampling adds, a draw at every node, is timed apart
     (`draw_seconds`)."""
@@ -283,15 +284,44 @@ def calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfig | None
     if bar is not None:
         bar.close()
     grids = {name: np.ones(shape) for name in ("round", "verify")}
-    for name in grids:
-        for i in range(len(batches)):
-            for j, key in enumerate(keys):
-                for k in range(len(contexts)):
-                    if samples[name][i][j][k]:
-                        grids[name][i, j, k] = float(np.median(samples[name][i][j][k]))
+    nodes = [by_key[key].num_draft_tokens if key != PLAIN else 1 for key in keys]
+    for i in range(len(batches)):
+        for k in range(len(contexts)):
+            rounds_ik = [samples["round"][i][j][k] for j in range(len(keys))]
+            verify_ik = [samples["verify"][i][j][k] for j in range(len(keys))]
+            for j, (r, v) in enumerate(zip(*pooled_verify(rounds_ik, verify_ik, nodes))):
+                if r is not None:
+                    grids["round"][i, j, k], grids["verify"][i, j, k] = r, v
     grids["catch_up"] = catch_up
     draws = draw_seconds(model.cfg.vocab_size, device)
     return CostModel(batches, keys, grids, plain, contexts, draws=draws)
+
+
+def pooled_verify(rounds: list[list[float]], verify: list[list[float]], nodes: list[int]
+                  ) -> tuple[list[float | None], list[float | None]]:
+    """Each candidate's calibrated round and verify forward (in plain steps) from its
+    samples, paired pass by pass (rounds[j][n] and verify[j][n] from one pass).
+
+    A verify forward costs what its node count costs, whatever the tree's shape, so each
+    candidate's verify price is the median of the samples of every candidate verifying as
+    many nodes (`nodes[j]`); its round is that price plus the median of its own rounds'
+    remainder (drafting, extending). A shape's own few samples would otherwise set it apart
+    by the machine's noise alone (10-15% between trees of one D on a shared machine), and
+    since served rounds are read against their verify forward, that error could never be
+    corrected. None where a candidate has no samples."""
+    by_nodes: dict[int, list[float]] = {}
+    for n, v in zip(nodes, verify):
+        by_nodes.setdefault(n, []).extend(v)
+    round_price, verify_price = [], []
+    for n, r, v in zip(nodes, rounds, verify):
+        if not r:
+            round_price.append(None)
+            verify_price.append(None)
+            continue
+        pooled = float(np.median(by_nodes[n]))
+        verify_price.append(pooled)
+        round_price.append(pooled + float(np.median([a - b for a, b in zip(r, v)])))
+    return round_price, verify_price
 
 
 def calibration_key(executor, max_batch_size: int, keys: tuple[str, ...], vocab_size: int | None = None) -> str:
