@@ -24,7 +24,6 @@ from policy_cells import FIXED
 from branchspec import LLM, SpecConfig
 from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
 from branchspec.config import spec_label
-from branchspec.speculative.calibration import SAMPLED
 
 
 def main() -> None:
@@ -56,8 +55,9 @@ def main() -> None:
 
     def hooked_values(seq_ids, *rest):
         out = values(seq_ids, *rest)
-        price = policy.costs.prices(out[0], len(seq_ids), rest[2], bool(rest[3]) and SAMPLED in rest[3])[0]
-        estimate.update({o: (policy._tokens[i], price[i]) for i, o in enumerate(out[0])})
+        options, value = out[0], out[1]
+        price = policy._tokens / len(seq_ids) / np.exp(value)     # what the decision priced, catch-up included
+        estimate.update({o: (policy._tokens[i], price[i]) for i, o in enumerate(options)})
         return out
     policy._values = hooked_values
     rounds: list[tuple] = []
