@@ -1,6 +1,7 @@
 """The engine on a GPU, as one prepared command: equivalence, then step and round times,
 then tokens per second, each phase under the time budget, its results written as JSON as
-soon as it ends (a failing or timed-out phase keeps the others).
+soon as it ends (a failing or timed-out phase keeps the others; a phase that skipped
+configurations for lack of time counts as timed out, its rows kept).
 
     python scripts/gpu_check.py --device cuda --out gpu_out --budget-s 470
     python scripts/gpu_check.py --device cpu --out cpu_out --quick        # the same code on a CPU
@@ -326,7 +327,12 @@ def main() -> int:
                     regime(args.device, phase, report, args.quick, args.out)
                 else:
                     throughput(phase, report.phase("steps")["rows"])
-            phase["status"] = "failed" if any(not c["ok"] for c in phase["checks"]) else "done"
+            if any(not c["ok"] for c in phase["checks"]):
+                phase["status"] = "failed"
+            elif phase.get("skipped"):       # stopped starting configurations near its deadline
+                phase["status"], phase["error"] = "timed out", f"out of time: skipped {len(phase['skipped'])}"
+            else:
+                phase["status"] = "done"
         except PhaseTimeout as e:
             phase["status"], phase["error"] = "timed out", str(e)
         except Exception as e:   # noqa: BLE001 - a failing phase must not lose the others
