@@ -428,6 +428,7 @@ def test_plain_rounds_applied_together_equal_one_at_a_time():
         for sid in (5, 6):
             runner._predicted, runner._last_batch = {chain4: 3.0}, (sid,)
             observe(runner, chain4, [sid], 0.013, *chain_outcome(1, depth=3), [2])
+        runner._flush()                         # those rounds applied: what follows is about plain ones
         return runner
 
     lazy, eager = trained(), trained()
@@ -769,8 +770,8 @@ def test_near_ties_do_not_flip_the_choice_and_the_batch_change_redecides():
     for _ in range(3 * TUNING.redecide_every):
         choose(runner, [1])                          # (it may explore it: that is free)
         assert runner.last_choice == chain4
-    prices["chain D=3"] = 0.90                       # clearly better: switch at the next decision
-    picks = [choose(runner, [1]) for _ in range(TUNING.redecide_every)]
+    prices["chain D=3"] = 0.90                       # clearly better: switch at the next decision,
+    picks = [choose(runner, [1]) for _ in range(TUNING.redecide_most)]   # the period grown while it held
     assert picks[-1] == chain3 == runner.last_choice
     prices["chain D=3"] = 1.2
     assert choose(runner, [1, 2]) == chain4           # a new batch decides at once
@@ -805,6 +806,86 @@ def test_requests_leaving_keep_the_schedule_and_their_rounds_still_calibrate():
     prices["chain D=4"] = 2.0
     choose(runner, [1, 2])                             # batch 4 -> 2
     assert runner.last_choice == chain3
+
+
+def count_decisions(runner) -> list[int]:
+    """Record the round (a count of `choose` calls) at which each decision is taken."""
+    at, rounds, decide, choose_ = [], [0], runner._decide, runner.choose
+
+    def decided(batch):
+        at.append(rounds[0])
+        decide(batch)
+
+    def counted(batch):
+        out = choose_(batch)
+        rounds[0] += 1
+        return out
+    runner._decide, runner.choose = decided, counted
+    return at
+
+
+def test_the_decision_period_grows_while_the_choice_holds_and_shrinks_when_it_changes():
+    """A decision that keeps the standing choice and explores nothing doubles the period to
+    the next, up to `redecide_most` rounds; a switch brings it back to `redecide_every`.
+    Negative control: with `redecide_most` at `redecide_every` the schedule is fixed."""
+    from dataclasses import replace
+    chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
+
+    def decisions(tuning, rounds: int = 64):
+        runner = AdaptivePolicy(AutoPolicy(candidates=(chain3, chain4)), flat_costs(10.0, 0.5), tuning=tuning)
+        runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 2))
+        prices = {"chain D=3": 1.0, "chain D=4": 1.5}            # far apart: nothing worth exploring
+        set_prices(runner, prices, noise=0.01)
+        at = count_decisions(runner)
+        picks = [choose(runner, [1]) for _ in range(rounds)]
+        return runner, prices, at, picks
+
+    every, most = TUNING.redecide_every, TUNING.redecide_most
+    runner, prices, at, picks = decisions(TUNING)
+    assert set(picks) == {chain3}
+    periods = np.diff(at).tolist()
+    assert periods[:3] == [every, 2 * every, 4 * every] and max(periods) == most
+    prices["chain D=4"] = 0.5                                    # now clearly better
+    for _ in range(most):
+        choose(runner, [1])
+    assert runner.last_choice == chain4
+    switched = len(at) - 1
+    for _ in range(2 * every):
+        choose(runner, [1])
+    assert at[switched + 1] - at[switched] == every            # the period is back to its start
+    _, _, fixed, _ = decisions(replace(TUNING, redecide_most=every))
+    assert set(np.diff(fixed).tolist()) == {every} and len(fixed) > len(at) - 2
+
+
+def test_observed_rounds_apply_in_order_when_an_estimate_is_next_needed():
+    """Rounds are observed cheaply and applied together before the next estimate: the
+    accept calibration, the round-price corrections and the relaxed acceptance come out as
+    if each round had been applied as it came. Negative control: applied out of order they
+    do not."""
+    chain3 = SpecConfig.chain(3)
+
+    def served(settle_each: bool, reverse: bool = False):
+        """settle_each: each round applied as it is observed."""
+        runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain3)), flat_costs(10.0, 0.5))
+        choose(runner, [1, 2])
+        for i in range(14):                                      # the last two: speculative rounds
+            if i % 3 == 2:                                       # a plain round, over a batch that changes
+                observe(runner, None, [1, 2] if i < 6 else [1], 0.010 + 1e-4 * i)
+            else:
+                children, targets = (t.repeat(2, 1, 1) if t.dim() == 3 else t.repeat(2, 1)
+                                     for t in chain_outcome(i % 3, depth=2))
+                observe(runner, chain3, [1, 2], 0.012 + 1e-4 * i, children, targets, path_len=[1 + i % 3] * 2)
+            if settle_each:
+                runner._flush()
+        if reverse:
+            runner._pending.reverse()
+        return (runner.accept_sums, {k: list(v) for k, v in runner.costs.corrections.items()},
+                runner.acceptance.acceptance([1, 2], [GREEDY] * 2).tolist())
+
+    one_by_one = served(settle_each=True)
+    assert served(settle_each=False) == one_by_one
+    assert one_by_one[0]["chain"] != (TUNING.calibration_prior,) * 2 and one_by_one[1]   # something was applied
+    assert served(settle_each=False, reverse=True) != one_by_one
 
 
 def test_round_costs_follow_the_context():

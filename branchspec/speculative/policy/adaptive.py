@@ -28,7 +28,8 @@ factors are measured, not assumed:
   machine's speed cancels out. A candidate not yet measured takes its forwards' price and
   its kind's correction, with the variance of not knowing its own.
 
-**Choosing** (`_decide`, every few rounds or when the batch changes):
+**Choosing** (`_decide`, every few rounds or when the batch changes; the period doubles,
+up to `redecide_most` rounds, while decisions keep the choice and explore nothing):
 
 * the standing choice stays unless a challenger's estimated lead exceeds `lead_noise`
   standard deviations of the difference: the best of many noisy estimates is biased high,
@@ -134,8 +135,13 @@ class AdaptivePolicy:
         self.last_choice: SpecConfig | None = None    # the standing choice (meaningful once decided)
         self.last_estimate: dict[str, float] = {}     # each option's estimated speed over plain decoding
         # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
-        self.accept_sums: dict[str, tuple[float, float]] = {}
+        self._accept_sums: dict[str, tuple[float, float]] = {}
         self._decided = False
+        self._steady = 0        # decisions in a row that kept the choice and explored nothing
+        # Rounds observed since the estimates were last needed, applied in order when they
+        # are (`_settle`): right after a forward the policy's code and data are out of the
+        # CPU's caches, so one pass over a few rounds costs about what one round did.
+        self._pending: list[tuple] = []
         self._explore = _NOTHING                      # an option to run once, before the choice again
         self._predicted: dict[SpecConfig, float] = {}   # positional model's tokens a round, at the last decision
         self._per_request = np.zeros((0, len(self.specs)))    # [B, C] the same, per request of that batch
@@ -152,6 +158,18 @@ class AdaptivePolicy:
 
     @property
     def costs(self) -> CostModel:
+        """The round-cost model, with every observed round applied."""
+        self._flush()
+        return self._cost_model()
+
+    @property
+    def accept_sums(self) -> dict[str, tuple[float, float]]:
+        """(accepted, predicted) drafted tokens, decayed sums per candidate label and per
+        kind, with every observed round applied."""
+        self._settle()
+        return self._accept_sums
+
+    def _cost_model(self) -> CostModel:
         if self._costs is None:
             self._costs = self._make_costs(self.policy)
         return self._costs
@@ -185,7 +203,6 @@ class AdaptivePolicy:
             return False
         if not self.specs:
             return True
-        self._settle_plain()
         options, value, *_ = self._values(batch.seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
         return int(np.argmax(value)) == 0
 
@@ -196,11 +213,13 @@ class AdaptivePolicy:
         cost more).
 
         The estimates are recomputed every `redecide_every` rounds (more at large
-        batches), or at once when the batch changed; in between the choice stands, but
-        for the one exploring round a decision may ask for, run right after it."""
+        batches; up to `redecide_most` while the choice holds), or at once when the batch
+        changed; in between the choice stands, but for the one exploring round a decision
+        may ask for, run right after it."""
         seq_ids, t = batch.seq_ids, self.tuning
         key = tuple(seq_ids)
         every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
+        every = min(every << self._steady, max(every, t.redecide_most))
         decide = self._must_decide(key) or self._rounds_since >= every - 1
         if decide:
             self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
@@ -231,8 +250,8 @@ class AdaptivePolicy:
         return CostModel.bucket(len(key)) != CostModel.bucket(len(last))
 
     def _decide(self, batch: BatchView) -> None:
-        """Sets the standing choice and, where it is worth a round, one to explore."""
-        self._settle_plain()
+        """Sets the standing choice and, where it is worth a round, one to explore; a
+        decision that changes neither lengthens the period to the next (`redecide_most`)."""
         seq_ids = batch.seq_ids
         options, value, own, shared, step = self._values(seq_ids, batch.lag, batch.remaining, batch.context,
                                                          batch.modes)
@@ -246,6 +265,8 @@ class AdaptivePolicy:
                 best = standing
         self._explore = self._worth_exploring(options, value, own, shared, step, kinds, best, batch.remaining,
                                               len(seq_ids))
+        kept = self._decided and options[best] == self.last_choice and self._explore is _NOTHING
+        self._steady = min(self._steady + 1, 8) if kept else 0
         self.last_choice, self._decided = options[best], True
 
     def _worth_exploring(self, options: list, value: np.ndarray, own: np.ndarray, shared: np.ndarray,
@@ -289,13 +310,14 @@ class AdaptivePolicy:
         [O] (the acceptance its kind shares, nil for plain decoding); and the variance of
         what one more round of it measures of its own part [O]. Sets `_tokens` [O]: each
         option's expected tokens a round over these requests."""
+        self._settle()
         B = len(seq_ids)
         specs = self.specs
         options = self._options
         sampled = _samples(modes)
-        price, own, _ = self.costs.prices(options, B, context, sampled)           # [O] plain steps
+        price, own, _ = self._cost_model().prices(options, B, context, sampled)           # [O] plain steps
         tokens, shared = np.full(len(options), float(B)), np.zeros(len(options))
-        step = np.full(len(options), self.costs.round_noise(B) ** 2)
+        step = np.full(len(options), self._cost_model().round_noise(B) ** 2)
         self._predicted = {}
         if specs:
             k = len(options) - len(specs)
@@ -323,7 +345,7 @@ class AdaptivePolicy:
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
-                price[k:] = price[k:] + self.costs.catch_up_steps(B, max(lag), context, sampled) / \
+                price[k:] = price[k:] + self._cost_model().catch_up_steps(B, max(lag), context, sampled) / \
                     np.maximum(1.0, left * B / tokens[k:])
         self._tokens = tokens
         return options, np.log(tokens / B) - np.log(price), own, shared, step
@@ -332,23 +354,47 @@ class AdaptivePolicy:
         """The outcome of the round `choose` picked over `batch`: its wall time against the
         target forward inside it, and for a speculative round its accepted path lengths
         against the prediction. (What it says about acceptance, the round itself taught
-        the engine's `AcceptanceModel`.)"""
+        the engine's `AcceptanceModel`.)
+
+        Right after a round's forwards the policy's code and data are out of the CPU's
+        caches, so what a round says is kept as it comes and applied, in order, when an
+        estimate is next needed (`_flush`): one pass over a few rounds costs about what
+        one round did. Plain rounds are counted now, and applied to the acceptance at the
+        same moments as ever (the next learnt round, another batch, an estimate)."""
         t0 = time.perf_counter()
         spec, seq_ids = result.spec, batch.seq_ids
-        self.costs.observe(spec, len(seq_ids), result.seconds, result.phase_seconds.get("verify"), batch.context,
-                           sampled=_samples(batch.modes))
+        accepted = predicted = None
         if spec is None:
             key = tuple(seq_ids)
             if key != self._plain_batch:
-                self._settle_plain()
+                self._settle()
                 self._plain_batch, self._plain_modes = key, list(batch.modes or [GREEDY] * len(key))
             self._plain_rounds += 1
         elif result.learnt:
-            self._settle_plain()
+            if self._plain_rounds:
+                self._settle()
             predicted = self._prediction(spec, seq_ids)
-            if predicted is not None:
-                self._calibrate(spec, float(sum(result.path_len)), predicted, len(seq_ids))
+            accepted = float(sum(result.path_len))
+        self._pending.append((spec, seq_ids, batch.modes, batch.context, result.seconds,
+                              result.phase_seconds.get("verify"), accepted, predicted))
         self.decide_seconds += time.perf_counter() - t0
+
+    def _flush(self) -> None:
+        """Apply the rounds observed since the last flush, in order: each to the round
+        prices, and each learnt speculative one to the accept calibration (against what the
+        decision standing when it ran predicted)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            costs = self._cost_model()
+            for spec, seq_ids, modes, context, seconds, verify, accepted, predicted in pending:
+                costs.observe(spec, len(seq_ids), seconds, verify, context, sampled=_samples(modes))
+                if predicted is not None:
+                    self._calibrate(spec, accepted, predicted, len(seq_ids))
+
+    def _settle(self) -> None:
+        """Everything observed applied: the pending rounds, then the plain rounds since."""
+        self._flush()
+        self._apply_plain()
 
     def _prediction(self, spec: SpecConfig, seq_ids: list[int]) -> float | None:
         """The tokens the last decision predicted a round of `spec` emits over these
@@ -360,7 +406,7 @@ class AdaptivePolicy:
             return None
         return float(self._per_request[rows, c].sum())
 
-    def _settle_plain(self) -> None:
+    def _apply_plain(self) -> None:
         """Apply the plain rounds seen since the last estimate: each request's acceptance
         decays, the engine-wide acceptance drifts towards the prior and every calibration
         towards level (by `plain_fade` a round), exactly as one round at a time would."""
@@ -376,10 +422,10 @@ class AdaptivePolicy:
         candidate's own evidence (`label_weight`). It absorbs what the positional model
         misses: EAGLE-2 picks each round's tree by that round's draft confidence, and
         acceptance at one depth is not independent of the next."""
-        self._settle_plain()
-        seen, predicted = self.accept_sums.get(_kind(spec), (1.0, 1.0))
+        self._settle()
+        seen, predicted = self._accept_sums.get(_kind(spec), (1.0, 1.0))
         level = seen / predicted
-        own = self.accept_sums.get(spec_label(spec))
+        own = self._accept_sums.get(spec_label(spec))
         if own is None:
             return level
         w = self.tuning.label_weight
@@ -388,10 +434,10 @@ class AdaptivePolicy:
     def _calibrations(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every speculative candidate's `calibration` [C], the decayed predicted tokens
         of its own behind it [C] and of its kind's [C] (the prior's included)."""
-        self._settle_plain()
+        self._settle()
         prior = self.tuning.calibration_prior
-        levels = np.array([self.accept_sums.get(kind, (prior, prior)) for kind in KINDS])    # [2, 2]
-        own = np.array([self.accept_sums.get(label, (0.0, 0.0)) for label in self._labels])  # [C, 2]
+        levels = np.array([self._accept_sums.get(kind, (prior, prior)) for kind in KINDS])    # [2, 2]
+        own = np.array([self._accept_sums.get(label, (0.0, 0.0)) for label in self._labels])  # [C, 2]
         kind = levels[self._kinds]                                                          # [C, 2]
         w = self.tuning.label_weight
         calibration = (own[:, 0] + w * kind[:, 0] / kind[:, 1]) / (own[:, 1] + w)
@@ -403,23 +449,23 @@ class AdaptivePolicy:
         drafted_pred, drafted_seen = max(predicted - batch, 0.0), max(observed - batch, 0.0)
         label, kind = spec_label(spec), _kind(spec)
         self._fade_calibration(t.calibration_fade, skip=(label, kind))
-        seen, pred = self.accept_sums.get(label, (0.0, 0.0))
-        self.accept_sums[label] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
-        seen, pred = self.accept_sums.get(kind, (t.calibration_prior, t.calibration_prior))
-        self.accept_sums[kind] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+        seen, pred = self._accept_sums.get(label, (0.0, 0.0))
+        self._accept_sums[label] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+        seen, pred = self._accept_sums.get(kind, (t.calibration_prior, t.calibration_prior))
+        self._accept_sums[kind] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
 
     def _fade_calibration(self, keep: float, skip: tuple[str, ...] = ()) -> None:
         """Each kind's sums drift towards level by 1 - keep, and each shape's own evidence
         fades by `keep`; those named in `skip` (the ones that just ran) excepted."""
-        for key, (seen, predicted) in self.accept_sums.items():
+        for key, (seen, predicted) in self._accept_sums.items():
             if key in skip:
                 continue
             if key in KINDS:
                 prior = self.tuning.calibration_prior
-                self.accept_sums[key] = (keep * seen + (1 - keep) * prior, keep * predicted + (1 - keep) * prior)
+                self._accept_sums[key] = (keep * seen + (1 - keep) * prior, keep * predicted + (1 - keep) * prior)
             else:
-                self.accept_sums[key] = (keep * seen, keep * predicted)
+                self._accept_sums[key] = (keep * seen, keep * predicted)
 
     def forget(self, seq_id: int) -> None:
-        self._settle_plain()
+        self._settle()
         self.acceptance.forget(seq_id)

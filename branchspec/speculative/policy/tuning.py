@@ -45,6 +45,12 @@ class Tuning:
     # bookkeeping; at most one exploring round per period, so this also bounds exploration.
     redecide_every: int = 4
     redecide_per_requests: int = 8
+    # A decision that keeps the standing choice and finds nothing worth exploring doubles
+    # the period, up to this many rounds; a switch or an exploring round brings it back.
+    # Higher costs less bookkeeping once settled and explores less often, but notices a
+    # change in acceptance (a new topic within a request) that many rounds later; a
+    # request that joins the batch is decided for at once whatever the period.
+    redecide_most: int = 16
     # A challenger replaces the standing choice once its estimated lead exceeds this many
     # standard deviations of the difference (the choice is the largest of many noisy
     # estimates, so its own is biased high). Lower switches sooner on real gains and more
