@@ -809,8 +809,10 @@ def test_requests_leaving_keep_the_schedule_and_their_rounds_still_calibrate():
 
 
 def count_decisions(runner) -> list[int]:
-    """Record the round (a count of `choose` calls) at which each decision is taken."""
+    """Record the round (a count of `choose` calls, kept as `runner.rounds_chosen[0]`) at
+    which each decision is taken."""
     at, rounds, decide, choose_ = [], [0], runner._decide, runner.choose
+    runner.rounds_chosen = rounds
 
     def decided(batch):
         at.append(rounds[0])
@@ -853,6 +855,14 @@ def test_the_decision_period_grows_while_the_choice_holds_and_shrinks_when_it_ch
     for _ in range(2 * every):
         choose(runner, [1])
     assert at[switched + 1] - at[switched] == every            # the period is back to its start
+    prices["chain D=3"] = 2.0                                    # the choice holds from here on
+    for _ in range(2 * most):
+        choose(runner, [1])
+    assert at[-1] - at[-2] == most
+    joined, now = len(at), runner.rounds_chosen[0]
+    for _ in range(2 * every):
+        choose(runner, [1, 2])                                   # a request joins: decided at once,
+    assert at[joined] == now and at[joined + 1] - at[joined] == every     # then watched closely
     _, _, fixed, _ = decisions(replace(TUNING, redecide_most=every))
     assert set(np.diff(fixed).tolist()) == {every} and len(fixed) > len(at) - 2
 

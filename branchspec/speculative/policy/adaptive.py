@@ -220,7 +220,8 @@ class AdaptivePolicy:
         key = tuple(seq_ids)
         every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
         every = min(every << self._steady, max(every, t.redecide_most))
-        decide = self._must_decide(key) or self._rounds_since >= every - 1
+        joined = self._must_decide(key)
+        decide = joined or self._rounds_since >= every - 1
         if decide:
             self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
         t0 = time.perf_counter()
@@ -232,6 +233,8 @@ class AdaptivePolicy:
         else:
             self._decide(batch)
             self._last_batch, self._rounds_since = key, 0
+            if joined:              # requests whose acceptance no estimate has seen: watch them closely
+                self._steady = 0
             run = self.last_choice
         self.counts[spec_label(run)] += 1
         self.decide_seconds += time.perf_counter() - t0

@@ -48,8 +48,8 @@ class Tuning:
     # A decision that keeps the standing choice and finds nothing worth exploring doubles
     # the period, up to this many rounds; a switch or an exploring round brings it back.
     # Higher costs less bookkeeping once settled and explores less often, but notices a
-    # change in acceptance (a new topic within a request) that many rounds later; a
-    # request that joins the batch is decided for at once whatever the period.
+    # change in acceptance (a new topic within a request) that many rounds later. A
+    # request that joins the batch is decided for at once, and the period starts over.
     redecide_most: int = 16
     # A challenger replaces the standing choice once its estimated lead exceeds this many
     # standard deviations of the difference (the choice is the largest of many noisy
