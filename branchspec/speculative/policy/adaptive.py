@@ -220,8 +220,8 @@ class AdaptivePolicy:
         key = tuple(seq_ids)
         every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
         every = min(every << self._steady, max(every, t.redecide_most))
-        joined = self._must_decide(key)
-        decide = joined or self._rounds_since >= every - 1
+        changed = self._must_decide(key)
+        decide = changed or self._rounds_since >= every - 1
         if decide:
             self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
         t0 = time.perf_counter()
@@ -233,7 +233,7 @@ class AdaptivePolicy:
         else:
             self._decide(batch)
             self._last_batch, self._rounds_since = key, 0
-            if joined:              # requests whose acceptance no estimate has seen: watch them closely
+            if changed:             # a request joined (its acceptance unseen), or the size bucket moved
                 self._steady = 0
             run = self.last_choice
         self.counts[spec_label(run)] += 1
@@ -269,7 +269,8 @@ class AdaptivePolicy:
         self._explore = self._worth_exploring(options, value, own, shared, step, kinds, best, batch.remaining,
                                               len(seq_ids))
         kept = self._decided and options[best] == self.last_choice and self._explore is _NOTHING
-        self._steady = min(self._steady + 1, 8) if kept else 0
+        # (no more doublings than reach `redecide_most` from a period of one round)
+        self._steady = min(self._steady + 1, self.tuning.redecide_most.bit_length()) if kept else 0
         self.last_choice, self._decided = options[best], True
 
     def _worth_exploring(self, options: list, value: np.ndarray, own: np.ndarray, shared: np.ndarray,
