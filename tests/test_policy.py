@@ -828,7 +828,8 @@ def count_decisions(runner) -> list[int]:
 
 def test_the_decision_period_grows_while_the_choice_holds_and_shrinks_when_it_changes():
     """A decision that keeps the standing choice and explores nothing doubles the period to
-    the next, up to `redecide_most` rounds; a switch brings it back to `redecide_every`.
+    the next, up to `redecide_most` rounds; a switch, or a request joining, brings it back to
+    `redecide_every`.
     Negative control: with `redecide_most` at `redecide_every` the schedule is fixed."""
     from dataclasses import replace
     chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
