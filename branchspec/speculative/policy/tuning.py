@@ -14,8 +14,9 @@ class Tuning:
     # -- reading the measured acceptance (calibration.AcceptanceModel, whose own prior and
     # memory the calibrated selection shares) -------------------------------------------------
     # Per plain round, the engine-wide statistics drift this much back towards the prior,
-    # so a few unlucky rounds do not rule speculation out for good (higher: retried sooner).
-    relax_rate: float = 0.01
+    # so a few unlucky rounds do not rule speculation out for good (higher: retried sooner,
+    # and every new request pays again for finding out that speculation loses on its text).
+    relax_rate: float = 0.005
     # Estimated acceptance is never below this, so every path keeps a finite log-value.
     acceptance_floor: float = 1e-4
 
