@@ -262,10 +262,16 @@ class AcceptanceModel:
         request's own hits / tries shrunk towards the engine-wide ratio with
         `prior_weight` tries, never below `floor`."""
         self._learn_pending()
-        own, scale, wide, _ = self._counts(seq_ids, modes, [HITS, TRIES], depth, ranks or self.R)
-        own, wide = own.sum(axis=-1), wide.sum(axis=-1)
-        g = wide[:, 0] / wide[:, 1]
-        w = self.prior_weight / scale[..., 0]
+        ranks = ranks or self.R
+        rows = self._lookup(seq_ids)
+        t = np.array([HITS, TRIES])
+        own = self._tables.numpy()[:, :, :, :depth, :ranks][rows[:, None], t].sum(axis=-1)  # [B, 2, 2, depth, ranks]
+        # the engine-wide ratio once per mode (one mode, most batches), not once per request
+        mode = modes[0] if modes.count(modes[0]) == len(modes) else np.asarray(modes, dtype=np.int64)
+        wide = self._global.numpy()[:, t] + 1e-3 * self.prior.numpy()[t]
+        wide = wide[..., :depth, :ranks, :].sum(axis=-1)                         # [modes, 2, 2, depth, ranks]
+        g = (wide[:, 0] / wide[:, 1])[mode]                                      # [(B,) 2, depth, ranks]
+        w = self.prior_weight / self._scale.numpy()[rows].reshape(-1, 1, 1, 1)
         return torch.from_numpy(np.clip((own[:, 0] + w * g) / (own[:, 1] + w), floor, 1.0))
 
     def bucket(self, prob: torch.Tensor) -> torch.Tensor:

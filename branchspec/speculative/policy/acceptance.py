@@ -36,11 +36,12 @@ def candidate_paths(spec: SpecConfig) -> list[tuple[tuple[int, int], ...]]:
 class ExpectedAccept:
     """The expected accept length of every candidate, for a batch's acceptance at once.
 
-    Every node any candidate could verify is enumerated once: [N, P] the columns of its
-    path's edges in the flattened [2 * depth * R] acceptance (depth and R: the candidates'
-    most steps and largest topk) (padded with one past the
-    end, a zero column), and which candidates may use each node. A gather and a sum, not a
-    matrix product: numpy's BLAS threads would spin on the cores the model's forwards run on.
+    Every node any candidate could verify is enumerated once, shallowest first: its edge's
+    column in the flattened [2 * depth * R] acceptance (depth and R: the candidates' most
+    steps and largest topk) and its parent, so that a node's value is its parent's times
+    its edge's, one depth at a time; and which candidates may use each node. Gathers and
+    products, not a matrix product: numpy's BLAS threads would spin on the cores the
+    model's forwards run on.
     """
 
     def __init__(self, specs: tuple[SpecConfig, ...], max_rank: int):
@@ -48,21 +49,31 @@ class ExpectedAccept:
         self.specs = specs
         self.depth = max((c.num_steps for c in specs), default=1)
         self.R = min(max((c.topk for c in specs), default=1), max_rank)
-        paths: dict[tuple, int] = {}
-        members: list[list[int]] = []
-        for spec in specs:
-            members.append([paths.setdefault(path, len(paths)) for path in candidate_paths(spec)])
-        self.num_edges = 2 * self.depth * self.R
-        self.path_edges = np.full((len(paths), max((len(p) for p in paths), default=1)), self.num_edges)
-        for path, i in paths.items():
-            line = MAIN
-            for j, (depth, rank) in enumerate(path):
-                self.path_edges[i, j] = (line * self.depth + depth) * self.R + min(rank, self.R - 1)
-                if rank:
-                    line = OFF
+        members = [candidate_paths(spec) for spec in specs]
+        # Every node once, shallowest first, so that each depth's nodes are one slice of a
+        # row and a node's value is its parent's (found earlier) times its edge's.
+        every = sorted({path for m in members for path in m}, key=lambda p: (len(p), p))
+        paths = {path: i for i, path in enumerate(every)}
+        members = [[paths[path] for path in m] for m in members]
+        edge = np.empty(len(every), dtype=np.intp)          # [N] each node's column in the acceptance
+        parent = np.empty(len(every), dtype=np.intp)        # [N] its parent node (N + 1: the root)
+        self.num_nodes = len(every)
+        self.levels: list[tuple[slice, np.ndarray, np.ndarray]] = []
+        for i, path in enumerate(every):
+            line = OFF if any(rank for _, rank in path[:-1]) else MAIN
+            depth, rank = path[-1]
+            edge[i] = (line * self.depth + depth) * self.R + min(rank, self.R - 1)
+            parent[i] = paths[path[:-1]] if len(path) > 1 else len(every) + 1
+        start = 0
+        while start < len(every):
+            end = start
+            while end < len(every) and len(every[end]) == len(every[start]):
+                end += 1
+            self.levels.append((slice(start, end), parent[start:end], edge[start:end]))
+            start = end
         # Candidates that differ only in D draw from the same nodes (those within their
         # depth and branching): one row of node columns per distinct node set. Sets of
-        # like size share a [S, n] block, padded with len(paths) (a node of value 0), so the
+        # like size share a [S, n] block, padded with N (a node of value 0), so the
         # few wide sets (a 7x2 tree has 254 nodes) do not widen the chains' and small trees'.
         sets: dict[tuple[int, ...], int] = {}
         member_set = [sets.setdefault(tuple(m), len(sets)) for m in members]
@@ -74,7 +85,7 @@ class ExpectedAccept:
         self.blocks: list[_Block] = []
         for block in blocks.values():
             rows = {sets[nodes]: i for i, nodes in enumerate(block)}
-            nodes = np.full((len(block), max(map(len, block))), len(paths))
+            nodes = np.full((len(block), max(map(len, block))), self.num_nodes)
             for i, row in enumerate(block):
                 nodes[i, :len(row)] = row
             used = [c for c, m in enumerate(member_set) if m in rows]
@@ -94,10 +105,11 @@ class ExpectedAccept:
         first): at batch 64 one full float64 sort of every set padded to the widest took
         4 ms, this a fraction of a millisecond (AMD EPYC)."""
         B = acceptance.shape[0]
-        logq = np.zeros((B, self.num_edges + 1), np.float32)                  # [B, 2 * depth * R + 1]
-        logq[:, :-1] = np.log(acceptance).reshape(B, -1)
-        values = np.zeros((B, len(self.path_edges) + 1), np.float32)          # [B, N + 1], last: padding
-        values[:, :-1] = np.exp(logq[:, self.path_edges].sum(axis=2))
+        q = acceptance.reshape(B, -1).astype(np.float32)                     # [B, 2 * depth * R]
+        values = np.empty((B, self.num_nodes + 2), np.float32)                # [B, N + 2]
+        values[:, -2:] = (0.0, 1.0)                                          # [N]: padding, [N + 1]: the root
+        for nodes, parent, edge in self.levels:                              # one depth at a time
+            values[:, nodes] = values[:, parent] * q[:, edge]
         out = np.empty((B, len(self.specs)))
         for block in self.blocks:
             negated = -values[:, block.nodes]                                 # [B, S, n]
