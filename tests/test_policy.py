@@ -24,9 +24,14 @@ from conftest import markov_batches
 from test_spec_decode import chi2_sf
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path / "cache"))
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """A cache of this module's own, shared by its tests: the round prices of a model and
+    candidate set are measured once, as an engine's are once per machine (a test of the
+    caching itself points it elsewhere)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRANCHSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 def choose(policy, seq_ids, lag=None, remaining=None, context=None):
@@ -293,6 +298,19 @@ def test_greedy_and_sampled_acceptance_are_kept_apart():
         teach(model, [1], *chain_outcome(0), mode=SAMPLED)
     assert torch.equal(model.acceptance([NEW_REQUEST], [GREEDY]), before)
     assert model.acceptance([NEW_REQUEST], [SAMPLED])[0, 0, 0, 0] < 0.5 * before[0, 0, 0, 0]
+
+
+def test_a_batch_of_both_modes_reads_each_requests_own_estimate():
+    """Greedy and sampled requests in one batch: each row is what that request reads
+    alone (the engine-wide part of its own mode), whichever mode comes first."""
+    model = AcceptanceModel()
+    for _ in range(20):
+        teach(model, [1], *chain_outcome(0), mode=SAMPLED)
+        teach(model, [2], *chain_outcome(2), mode=GREEDY)
+    ids, modes = [2, 1, NEW_REQUEST, NEW_REQUEST], [GREEDY, SAMPLED, SAMPLED, GREEDY]
+    alone = torch.cat([model.acceptance([i], [m]) for i, m in zip(ids, modes)])
+    assert torch.equal(model.acceptance(ids, modes), alone)
+    assert not torch.equal(alone[2], alone[3]), "the modes' engine-wide estimates should differ here"
 
 
 def test_the_policy_reads_the_acceptance_its_rounds_teach(trained_ckpt, prompts):
@@ -601,6 +619,7 @@ def test_a_prompts_drafter_prefill_waits_unless_speculation_earns_it_back():
 
 
 def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("BRANCHSPEC_CACHE", str(tmp_path / "cache"))          # empty: the first call measures
     from branchspec.checkpoint import load_checkpoint
     import branchspec.speculative.profiling as costs_mod
     from branchspec.cache.paged import PagedState
