@@ -11,7 +11,9 @@ For each (temperature, batch size, workload) cell, one batch of the workload's e
 The table gives each cell's medians as auto / best fixed (the fastest of step 2's fixed
 arms, plain decoding included) and auto / plain, the rounds the policy ran on other
 configurations than the one it settled on (the one it ran most after the first
---settle-after rounds of a run), and its bookkeeping per round. Every output must equal
+--settle-after rounds of a run), its bookkeeping per round, and the run-to-run spread
+(per arm (max - min) / median of its runs, the median over the arms): a shared machine's
+noise, against which a miss of the goal is to be read. Every output must equal
 plain decoding's (greedy, or sampled with the study's per-request seeds). One engine per
 batch size serves every cell of that size, as a server would: the policy's learnt state
 carries from cell to cell. Writes cells.jsonl, cells.md and cells.png (auto / best fixed
@@ -137,12 +139,16 @@ def main() -> None:
             rounds.update(log.choices)
             bookkeeping.append(1e3 * stats.policy_seconds / max(len(log.choices), 1))
         median = {k: statistics.median(v) for k, v in tok_s.items()}
+        # How far one arm's runs lie apart, (max - min) / median, the median over the
+        # arms: a miss smaller than this says nothing about the policy.
+        spread = statistics.median((max(v) - min(v)) / statistics.median(v) for v in tok_s.values())
         best = max((k for k in median if k != "auto"), key=median.get)
         row = {"workload": workload, "batch": B, "temperature": T, "tok_s": median, "best_fixed": best,
                "auto_over_best": median["auto"] / median[best], "auto_over_plain": median["auto"] / median["none"],
                "off_settled": statistics.median(off) if off else None,
                "settled": settled.most_common(1)[0][0] if settled else None,
-               "bookkeeping_ms": statistics.median(bookkeeping), "same_tokens": same,
+               "bookkeeping_ms": statistics.median(bookkeeping), "same_tokens": same, "spread": spread,
+               "runs": tok_s,
                "rounds": dict(rounds.most_common()), "sweep": sweep}
         rows.append(row)
         with open(out / "cells.jsonl", "a") as f:
@@ -180,7 +186,8 @@ def plot(rows: list[dict], path: Path, before: list[dict] | None = None) -> None
         ax.bar(list(x), [r["auto_over_best"] for r in rows], 0.6)
     ax.axhline(0.95, color="k", ls="--", lw=1)
     ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylim(0.7, 1.15)
+    shown = [r["auto_over_best"] for r in rows + (before or [])]
+    ax.set_ylim(min(0.7, min(shown) - 0.05), max(1.15, max(shown) + 0.05))
     ax.set_ylabel("auto / best fixed configuration")
     ax.set_title("SpecConfig.auto() against the best fixed configuration, side by side")
     fig.tight_layout()
@@ -193,13 +200,14 @@ def write_table(rows: list[dict], path: Path, args) -> None:
              f"{'compiled' if args.compile else 'eager'}; {args.max_tokens} tokens a request, medians of "
              f"{args.repeats} runs in turn.", "",
              "| cell | best fixed | auto / best fixed | auto / plain | off settled (after round "
-             f"{args.settle_after}) | settled on | bookkeeping ms/round | same tokens |",
-             "|---|---|---:|---:|---:|---|---:|---|"]
+             f"{args.settle_after}) | settled on | bookkeeping ms/round | same tokens | run-to-run spread |",
+             "|---|---|---:|---:|---:|---|---:|---|---:|"]
     for r in rows:
         off = "-" if r["off_settled"] is None else f"{100 * r['off_settled']:.0f}%"
+        spread = f"{100 * r['spread']:.0f}%" if r.get("spread") is not None else "-"
         lines.append(f"| {r['workload']}, batch {r['batch']}, T={r['temperature']:g} | {r['best_fixed']} | "
                      f"{r['auto_over_best']:.2f} | {r['auto_over_plain']:.2f} | {off} | {r['settled'] or '-'} | "
-                     f"{r['bookkeeping_ms']:.2f} | {r['same_tokens']} |")
+                     f"{r['bookkeeping_ms']:.2f} | {r['same_tokens']} | {spread} |")
     path.write_text("\n".join(lines) + "\n")
 
 
