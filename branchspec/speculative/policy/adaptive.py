@@ -29,7 +29,7 @@ factors are measured, not assumed:
   its kind's correction, with the variance of not knowing its own.
 
 **Choosing** (`_decide`, every few rounds or when the batch changes; the period doubles,
-up to `redecide_most` rounds, while decisions keep the choice and explore nothing):
+up to `redecide_most` rounds, while decisions keep the choice):
 
 * the standing choice stays unless a challenger's estimated lead exceeds `lead_noise`
   standard deviations of the difference: the best of many noisy estimates is biased high,
@@ -137,7 +137,7 @@ class AdaptivePolicy:
         # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
         self._accept_sums: dict[str, tuple[float, float]] = {}
         self._decided = False
-        self._steady = 0        # decisions in a row that kept the choice and explored nothing
+        self._steady = 0        # decisions in a row that kept the choice
         # Rounds observed since the estimates were last needed, applied in order when they
         # are (`_settle`): right after a forward the policy's code and data are out of the
         # CPU's caches, so one pass over a few rounds costs about what one round did.
@@ -254,7 +254,7 @@ class AdaptivePolicy:
 
     def _decide(self, batch: BatchView) -> None:
         """Sets the standing choice and, where it is worth a round, one to explore; a
-        decision that changes neither lengthens the period to the next (`redecide_most`)."""
+        decision that keeps the choice lengthens the period to the next (`redecide_most`)."""
         seq_ids = batch.seq_ids
         options, value, own, shared, step = self._values(seq_ids, batch.lag, batch.remaining, batch.context,
                                                          batch.modes)
@@ -268,7 +268,9 @@ class AdaptivePolicy:
                 best = standing
         self._explore = self._worth_exploring(options, value, own, shared, step, kinds, best, batch.remaining,
                                               len(seq_ids))
-        kept = self._decided and options[best] == self.last_choice and self._explore is _NOTHING
+        # An exploring round is part of holding a choice: only a switch starts the period over
+        # (one exploring round a period, so fewer once the choice holds).
+        kept = self._decided and options[best] == self.last_choice
         # (no more doublings than reach `redecide_most` from a period of one round)
         self._steady = min(self._steady + 1, self.tuning.redecide_most.bit_length()) if kept else 0
         self.last_choice, self._decided = options[best], True

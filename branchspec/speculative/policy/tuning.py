@@ -46,8 +46,9 @@ class Tuning:
     # bookkeeping; at most one exploring round per period, so this also bounds exploration.
     redecide_every: int = 4
     redecide_per_requests: int = 8
-    # A decision that keeps the standing choice and finds nothing worth exploring doubles
-    # the period, up to this many rounds; a switch or an exploring round brings it back.
+    # A decision that keeps the standing choice doubles the period, up to this many rounds
+    # (one exploring round at most in each, so exploring thins out too); a switch brings
+    # it back.
     # Higher costs less bookkeeping once settled and explores less often, but notices a
     # change in acceptance (a new topic within a request) that many rounds later. A
     # request that joins the batch is decided for at once, and the period starts over.
