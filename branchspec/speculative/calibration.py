@@ -71,9 +71,9 @@ def edge_log_values(log_c: torch.Tensor, edges: torch.Tensor, depth: int, parent
 # 0.4-0.6 at T = 0.7). A prior below the truth is not corrected at large batches, where a
 # round costs more plain steps: at 0.6, a fresh engine never tried speculating on GSM8K
 # at batch 64, where chains of D = 3-5 decode 1.03-1.14x as fast as plain decoding (side
-# by side, AMD EPYC). Each lower rank is accepted PRIOR_RANK_DECAY
-# times as often as the one above it (measured: 0.1-0.2 for the second); off the
-# drafter's main line PRIOR_OFF_LINE times as often as on it.
+# by side, AMD EPYC). Each lower rank is accepted PRIOR_RANK_DECAY times as often as the
+# one above it (measured: 0.1-0.2 for the second); off the drafter's main line
+# PRIOR_OFF_LINE times as often as on it.
 PRIOR_RANK1, PRIOR_RANK_DECAY, PRIOR_OFF_LINE = 0.8, 0.25, 0.75
 HITS, MASS, TRIES = 0, 1, 2      # the count tables, in this order
 

@@ -55,22 +55,18 @@ class ExpectedAccept:
         every = sorted({path for m in members for path in m}, key=lambda p: (len(p), p))
         paths = {path: i for i, path in enumerate(every)}
         members = [[paths[path] for path in m] for m in members]
-        edge = np.empty(len(every), dtype=np.intp)          # [N] each node's column in the acceptance
-        parent = np.empty(len(every), dtype=np.intp)        # [N] its parent node (N + 1: the root)
-        self.num_nodes = len(every)
-        self.levels: list[tuple[slice, np.ndarray, np.ndarray]] = []
+        self.num_nodes = N = len(every)
+        root = N + 1                                        # the value row's columns: N padding, N + 1 the root
+        edge = np.empty(N, dtype=np.intp)                   # [N] each node's column in the acceptance
+        parent = np.empty(N, dtype=np.intp)                 # [N] its parent node
         for i, path in enumerate(every):
             line = OFF if any(rank for _, rank in path[:-1]) else MAIN
             depth, rank = path[-1]
             edge[i] = (line * self.depth + depth) * self.R + min(rank, self.R - 1)
-            parent[i] = paths[path[:-1]] if len(path) > 1 else len(every) + 1
-        start = 0
-        while start < len(every):
-            end = start
-            while end < len(every) and len(every[end]) == len(every[start]):
-                end += 1
-            self.levels.append((slice(start, end), parent[start:end], edge[start:end]))
-            start = end
+            parent[i] = paths[path[:-1]] if len(path) > 1 else root
+        # one (slice, parents, edges) per depth: where the path length steps up
+        bounds = [0, *(np.flatnonzero(np.diff([len(p) for p in every])) + 1).tolist(), N]
+        self.levels = [(slice(a, b), parent[a:b], edge[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         # Candidates that differ only in D draw from the same nodes (those within their
         # depth and branching): one row of node columns per distinct node set. Sets of
         # like size share a [S, n] block, padded with N (a node of value 0), so the
