@@ -523,6 +523,25 @@ def test_a_sampled_batch_prices_the_draw_at_every_verify_node():
     assert control.prices((chain,), B, None, sampled=True)[0][0] < 0.8 * truth
 
 
+def test_a_draw_timed_slower_at_fewer_nodes_is_priced_as_the_larger_draw():
+    """Drawing at fewer nodes never costs more, so a slow sample at a small count (seen: a
+    single-node draw timed at 3.9 ms beside 0.5 ms for 16 nodes) is read as the larger
+    count's time; the draws saved and loaded keep that. Negative control: interpolated as
+    timed, a sampled batch-4 plain step would be priced at 1.3 greedy ones, every
+    speculative round a quarter cheaper against it."""
+    timed = np.array([3.9e-3, 0.5e-3, 1.4e-3, 17.8e-3, 104e-3])     # seconds at DRAW_ROWS nodes
+    costs = flat_costs(10.0, 1.0)
+    costs.draws = timed
+    assert costs.draws.tolist() == [0.5e-3, 0.5e-3, 1.4e-3, 17.8e-3, 104e-3]
+    step = costs.plain_seconds(4)
+    assert costs.draw_steps(4, 4) == pytest.approx(0.5e-3 / step)
+    assert CostModel.from_dict(costs.to_dict()).draws.tolist() == costs.draws.tolist()
+    as_timed = float(np.interp(4, DRAW_ROWS, timed)) / step
+    assert as_timed > 6 * costs.draw_steps(4, 4) and 1.0 + as_timed > 1.3
+    with pytest.raises(ValueError, match="draw seconds must have shape"):
+        costs.draws = timed[:3]
+
+
 def test_a_slow_spell_of_the_machine_cancels_out_of_a_price():
     """A measured round is read against the target forward inside it: when the machine
     runs three times slower during a candidate's rounds, its forward does too, and its
