@@ -4,7 +4,8 @@ the best fixed configuration, side by side, on held-out prompts.
 For each (temperature, batch size, workload) cell, one batch of the workload's eval prompts
 (the study's cell: `scripts/study_cell.py`), each request --max-tokens long:
 
-1. a sweep: every fixed configuration of --fixed once (plain decoding among them);
+1. a sweep: every fixed configuration of FIXED once (plain decoding among them; with
+   --compile, `fast_path_candidates()`, which are then the policy's candidates too);
 2. side by side: plain decoding, the sweep's --top fastest speculative configurations and
    the policy, --repeats times in turn (after one untimed run of the policy).
 
@@ -38,7 +39,7 @@ from tqdm import tqdm
 
 from branchspec import LLM, SpecConfig
 from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
-from branchspec.config import spec_label
+from branchspec.config import fast_path_candidates, spec_label
 from branchspec.machine import cpu_model_name
 
 # The fixed arms: plain decoding, chains and calibrated trees near where the study's sweeps
@@ -101,7 +102,11 @@ def main() -> None:
     workloads = args.workloads.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    auto = SpecConfig.auto()
+    # Compiled steps compile every configuration they run before the first request (a
+    # graph takes half a minute on two cores), so there the arms and the policy's
+    # candidates are the compact set `--compile --speculative-policy auto` gives a user.
+    fixed = fast_path_candidates() if args.compile else FIXED
+    auto = SpecConfig.auto(fast_path_candidates()) if args.compile else SpecConfig.auto()
     rows = []
     cells = [(b, t, w) for b in batches for t in temperatures for w in workloads]
     bar = tqdm(total=len(cells), desc="policy cells", unit="cell")
@@ -116,8 +121,8 @@ def main() -> None:
                           temperature=T, seed=0, batch_sizes=(B,), progress=False, mbpp_path=args.mbpp_path)
         prompts = batch_prompts(load_prompts(cfg, llm)[workload], B)
         params = request_params(cfg, B)
-        sweep = {spec_label(s): run(llm, prompts, params, s)[0] for s in FIXED}
-        fastest = sorted((s for s in FIXED if s is not None), key=lambda s: -sweep[spec_label(s)])[:args.top]
+        sweep = {spec_label(s): run(llm, prompts, params, s)[0] for s in fixed}
+        fastest = sorted((s for s in fixed if s is not None), key=lambda s: -sweep[spec_label(s)])[:args.top]
         arms = [None, *fastest]
         tok_s = {spec_label(s): [] for s in arms + [auto]}
         reference = run(llm, prompts, params, auto)[1]          # untimed: the policy's first look
