@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Sequence_
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,7 +258,8 @@ class LLM:
         now rather than mid-request, and no other: a fixed SpecConfig never decodes
         plainly, so plain decoding is warmed by `warmup(None)`. With
         `SpecConfig.auto(...)` it also measures (or loads) the round-cost calibration, and
-        warms plain decoding and every candidate.
+        warms plain decoding and every candidate. What the dummy prompt's rounds accept
+        teaches the engine's measured acceptance nothing (`AcceptanceModel.unchanged`).
 
         batch_sizes: positive integers; sizes past the engine's max_batch_size run at
         max_batch_size (no batch grows larger). None: what the execution needs to meet
@@ -292,7 +293,10 @@ class LLM:
             policy.prepare(progress=progress)
             prompt = [self.config.bos_token_id] + [3 + i % (self.config.vocab_size - 3) for i in range(40)]
             runs = [(b, s, t) for b in sizes for s in policy.configurations for t in temperatures]
-            with tqdm(runs, desc="warm-up", unit="run", disable=not progress, leave=False) as bar:
+            # The dummy prompt's rounds must not teach the measured acceptance real requests are read by.
+            learnt = self.engine.drafter.calibration.unchanged() if self.engine.drafter is not None \
+                else nullcontext()
+            with learnt, tqdm(runs, desc="warm-up", unit="run", disable=not progress, leave=False) as bar:
                 for b, s, t in bar:
                     bar.set_postfix_str(f"batch {b}, {spec_label(s)}, {'sampled' if t else 'greedy'}")
                     # Long enough to cross a page of entries and finish rounds at every accept length.

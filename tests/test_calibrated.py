@@ -175,6 +175,45 @@ def test_rounds_learnt_together_equal_one_at_a_time():
     assert not np.allclose(shuffled.global_counts.numpy(), alone.global_counts.numpy(), rtol=1e-9)
 
 
+def test_rounds_inside_unchanged_teach_nothing():
+    """What rounds observed inside `unchanged()` taught is gone on leaving: engine-wide
+    counts, request rows (new and already present) and the selection's factors read as
+    before; the same rounds outside teach (the negative control)."""
+    rounds = _random_rounds(seed=4, n=60)
+    model = _learnt(rounds[:30], refresh=4)
+    before = model.global_counts.numpy().copy()
+    counts = {sid: model.counts(sid).numpy().copy() for sid in model._rows}
+    factors = model.log_factors([0, 1], [GREEDY, GREEDY]).numpy().copy()
+    with model.unchanged():
+        for r in rounds[30:]:
+            model.observe(*r)
+        model.learn()
+        assert not np.allclose(model.global_counts.numpy(), before), "inside, the rounds are learnt as ever"
+    np.testing.assert_array_equal(model.global_counts.numpy(), before)
+    assert set(model._rows) == set(counts)
+    for sid, c in counts.items():
+        np.testing.assert_array_equal(model.counts(sid).numpy(), c)
+    np.testing.assert_array_equal(model.log_factors([0, 1], [GREEDY, GREEDY]).numpy(), factors)
+    for r in rounds[30:]:
+        model.observe(*r)
+    assert not np.allclose(model.global_counts.numpy(), before)
+
+
+def test_a_warmup_leaves_the_measured_acceptance_as_it_was(trained_ckpt):
+    """Warm-up rounds run a dummy prompt: a fresh engine reads the prior after them, as
+    before; the same runs outside a warm-up teach the acceptance (the negative control)."""
+    llm = LLM(trained_ckpt, dtype="float64", max_batch_size=2)
+    model = llm.engine.drafter.calibration
+    fresh = model.global_counts.numpy().copy()
+    llm.warmup(SpecConfig.auto([None, SpecConfig(3, 2, 6, selection="calibrated")]), batch_sizes=(1,),
+               progress=False)
+    np.testing.assert_array_equal(model.global_counts.numpy(), fresh)
+    prompt = [llm.config.bos_token_id] + list(range(3, 43))
+    llm.generate([prompt], SamplingParams(max_tokens=14, ignore_eos=True),
+                 spec=SpecConfig(3, 2, 6, selection="calibrated"), use_tqdm=False)
+    assert not np.allclose(model.global_counts.numpy(), fresh)
+
+
 def test_a_round_observed_as_it_is_equals_its_path_observations():
     """`observe_round` (a round's own tensors, gathered along its paths when learnt) teaches
     what `observe` does with the path observations written out one by one."""

@@ -26,6 +26,9 @@ rounds only, never on this round's target draws, so decoding stays lossless.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -210,6 +213,22 @@ class AcceptanceModel:
         self._learn_pending()
         row = self._rows.get(seq_id)
         return None if row is None else self._tables[row] * self._scale[row]
+
+    @contextlib.contextmanager
+    def unchanged(self) -> Iterator[None]:
+        """Rounds run inside teach nothing: on leaving, every count is as it was on entering
+        (a warm-up's dummy prompt says nothing of what real requests accept; learnt, it
+        read a fresh engine's sampled first proposal as right 27% of the time, against the
+        prior's 80%, and the policy then decoded a first request plainly throughout)."""
+        self._learn_pending()
+        saved = (self._global.clone(), self._tables.clone(), self._scale.clone(), dict(self._rows), list(self._free))
+        try:
+            yield
+        finally:
+            self._pending.clear()
+            self._global.copy_(saved[0])      # in place: `global_counts` hands out this tensor
+            self._tables, self._scale, self._rows, self._free = saved[1:]
+            self._factors = None
 
     def forget(self, seq_id: int) -> None:
         self._learn_pending()
