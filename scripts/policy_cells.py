@@ -1,18 +1,22 @@
 """The adaptive policy's goals, cell by cell: `SpecConfig.auto()` against plain decoding and
 the best fixed configuration, side by side, on held-out prompts.
 
-For each (temperature, batch size, workload) cell, one batch of the workload's eval prompts
-(the study's cell: `scripts/study_cell.py`), each request --max-tokens long:
+For each (temperature, batch size, workload) cell, a run serves --requests of the workload's
+eval prompts (at least one batch; the study's cell: `scripts/study_cell.py`), each request
+--max-tokens long, through an engine of that batch size: at batch 1, sixteen requests one
+after another, so a run lasts seconds rather than the 0.2 s of a single request and no
+cell rests on one prompt:
 
 1. a sweep: every fixed configuration of FIXED once (plain decoding among them; with
    --compile, `fast_path_candidates()`, which are then the policy's candidates too);
 2. side by side: plain decoding, the sweep's --top fastest speculative configurations and
-   the policy, --repeats times in turn (after one untimed run of the policy).
+   the policy, --repeats times in turn (after one untimed run of the policy), the arms
+   taking turns a batch of requests at a time (`Turn`).
 
 The table gives each cell's medians as auto / best fixed (the fastest of step 2's fixed
 arms, plain decoding included) and auto / plain, the rounds the policy ran on other
-configurations than the one it settled on (the one it ran most after the first
---settle-after rounds of a run), its bookkeeping per round, and the run-to-run spread
+configurations than the one it settled on (per request, the one it ran most after that
+request's first --settle-after rounds), its bookkeeping per round, and the run-to-run spread
 (per arm (max - min) / median of its runs, the median over the arms): a shared machine's
 noise, against which a miss of the goal is to be read. Every output must equal
 plain decoding's (greedy, or sampled with the study's per-request seeds). One engine per
@@ -22,7 +26,8 @@ per cell, beside an earlier run's cells.jsonl given as --before) into --out;
 `--plot-only` redraws the plot from --out's cells.jsonl.
 
     python scripts/policy_cells.py --out DIR [--workloads gsm8k,mbpp,sharegpt]
-        [--batches 1,4,16] [--temperatures 0,0.7] [--max-tokens 96] [--repeats 3] [--compile]
+        [--batches 1,4,16] [--temperatures 0,0.7] [--max-tokens 96] [--requests 16]
+        [--repeats 3] [--compile]
         [--before OLD/cells.jsonl] [--plot-only]
 """
 
@@ -51,31 +56,83 @@ FIXED = (None, SpecConfig.chain(4), SpecConfig.chain(5), SpecConfig.chain(6),
 
 
 class ChoiceLog:
-    """Every configuration the policy chose, in order, for one run."""
+    """Every configuration the policy chose, in order, over one turn's runs of it, and
+    which requests each round served with how many rounds each had had before it."""
 
     def __init__(self, policy):
+        self.policy = policy
         self.choices: list[str] = []
-        choose = policy.choose
+        self.served: list[list[tuple[int, int]]] = []     # per round: (request id, its rounds before)
+        self.seen: Counter[int] = Counter()
+
+    def __enter__(self) -> "ChoiceLog":
+        choose = self.policy.choose
 
         def logged(batch):
             spec = choose(batch)
             self.choices.append(spec_label(spec))
+            self.served.append([(sid, self.seen[sid]) for sid in batch.seq_ids])
+            self.seen.update(batch.seq_ids)
             return spec
-        policy.choose = logged
+        self.policy.choose = logged
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.policy.choose                      # back to the class's method
 
     def off_settled(self, after: int) -> tuple[str | None, float | None]:
-        """The configuration run most after the first `after` rounds, and the share of those
-        rounds spent on others (None where the run had no more rounds)."""
-        late = self.choices[after:]
+        """Per request, the configuration run most in its rounds after its first `after`,
+        and the share of those rounds spent on others, over every request: (the
+        configuration most requests settled on, the share off; None where no request had
+        that many rounds). Requests differ, so each settles on its own."""
+        late: dict[int, Counter[str]] = {}
+        for choice, served in zip(self.choices, self.served):
+            for sid, age in served:
+                if age >= after:
+                    late.setdefault(sid, Counter())[choice] += 1
         if not late:
             return None, None
-        settled, n = Counter(late).most_common(1)[0]
-        return settled, 1.0 - n / len(late)
+        settled = Counter(c.most_common(1)[0][0] for c in late.values())
+        off = sum(c.total() - c.most_common(1)[0][1] for c in late.values())
+        return settled.most_common(1)[0][0], off / sum(c.total() for c in late.values())
 
 
 def run(llm: LLM, prompts, params, spec) -> tuple[float, list, object]:
     outs = llm.generate(prompts, params, spec=spec, use_tqdm=False)
     return llm.last_stats.decode_throughput, [o.token_ids for o in outs], llm.last_stats
+
+
+class Turn:
+    """One turn of the side-by-side runs: every arm serves the cell's requests, a batch at a
+    time, the arms taking turns batch by batch (each batch's order starting one arm later
+    than the last's), so a slow spell of the machine, which lasts seconds, falls on every
+    arm alike. An arm's speed is its tokens over its decode seconds, summed over batches."""
+
+    def __init__(self, llm: LLM, arms: list, auto, log: ChoiceLog):
+        self.llm, self.arms, self.auto, self.log = llm, arms, auto, log
+        self.tokens = {spec_label(s): 0 for s in arms}
+        self.seconds = {spec_label(s): 0.0 for s in arms}
+        self.outputs: dict[str, list] = {spec_label(s): [] for s in arms}
+        self.policy_seconds = 0.0
+
+    def serve(self, batches: list[tuple[list, list]], start: int) -> None:
+        k = len(self.arms)
+        for b, (prompts, params) in enumerate(batches):
+            shift = (start + b) % k
+            for spec in self.arms[shift:] + self.arms[:shift]:
+                label = spec_label(spec)
+                if spec is self.auto:
+                    with self.log:
+                        _, tokens, stats = run(self.llm, prompts, params, spec)
+                    self.policy_seconds += stats.policy_seconds
+                else:
+                    _, tokens, stats = run(self.llm, prompts, params, spec)
+                self.tokens[label] += stats.num_generated
+                self.seconds[label] += stats.decode_seconds
+                self.outputs[label].extend(tokens)
+
+    def tok_s(self, label: str) -> float:
+        return self.tokens[label] / self.seconds[label]
 
 
 def main() -> None:
@@ -86,6 +143,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=16,
+                    help="requests a run serves (at least one batch), cycling through the prompts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=2, help="speculative arms kept from the sweep")
     ap.add_argument("--settle-after", type=int, default=20)
@@ -119,36 +178,35 @@ def main() -> None:
             policy = llm.engine.policy(auto, progress=True)
         cfg = StudyConfig(workloads=(workload,), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           temperature=T, seed=0, batch_sizes=(B,), progress=False, mbpp_path=args.mbpp_path)
-        prompts = batch_prompts(load_prompts(cfg, llm)[workload], B)
-        params = request_params(cfg, B)
+        n = max(args.requests, B)
+        prompts = batch_prompts(load_prompts(cfg, llm)[workload], n)
+        params = request_params(cfg, n)
         sweep = {spec_label(s): run(llm, prompts, params, s)[0] for s in fixed}
         fastest = sorted((s for s in fixed if s is not None), key=lambda s: -sweep[spec_label(s)])[:args.top]
-        arms = [None, *fastest]
-        tok_s = {spec_label(s): [] for s in arms + [auto]}
+        arms = [None, *fastest, auto]
+        tok_s = {spec_label(s): [] for s in arms}
         reference = run(llm, prompts, params, auto)[1]          # untimed: the policy's first look
+        batches = [(prompts[i:i + B], params[i:i + B]) for i in range(0, n, B)]
         same, off, settled, bookkeeping, rounds = True, [], Counter(), [], Counter()
-        for _ in range(args.repeats):
-            for spec in arms:
-                t, tokens, _ = run(llm, prompts, params, spec)
-                tok_s[spec_label(spec)].append(t)
-                same &= tokens == reference
+        for turn in range(args.repeats):
             log = ChoiceLog(policy)
-            t, tokens, stats = run(llm, prompts, params, auto)
-            del policy.choose                                   # back to the class's method
-            tok_s["auto"].append(t)
-            same &= tokens == reference
+            t = Turn(llm, arms, auto, log)
+            t.serve(batches, start=turn * len(batches))
+            for spec in arms:
+                tok_s[spec_label(spec)].append(t.tok_s(spec_label(spec)))
+                same &= t.outputs[spec_label(spec)] == reference
             label, share = log.off_settled(args.settle_after)
             if share is not None:
                 off.append(share)
                 settled[label] += 1
             rounds.update(log.choices)
-            bookkeeping.append(1e3 * stats.policy_seconds / max(len(log.choices), 1))
+            bookkeeping.append(1e3 * t.policy_seconds / max(len(log.choices), 1))
         median = {k: statistics.median(v) for k, v in tok_s.items()}
         # How far one arm's runs lie apart, (max - min) / median, the median over the
         # arms: a miss smaller than this says nothing about the policy.
         spread = statistics.median((max(v) - min(v)) / statistics.median(v) for v in tok_s.values())
         best = max((k for k in median if k != "auto"), key=median.get)
-        row = {"workload": workload, "batch": B, "temperature": T, "tok_s": median, "best_fixed": best,
+        row = {"workload": workload, "batch": B, "temperature": T, "requests": n, "tok_s": median, "best_fixed": best,
                "auto_over_best": median["auto"] / median[best], "auto_over_plain": median["auto"] / median["none"],
                "off_settled": statistics.median(off) if off else None,
                "settled": settled.most_common(1)[0][0] if settled else None,
@@ -202,8 +260,8 @@ def plot(rows: list[dict], path: Path, before: list[dict] | None = None) -> None
 
 def write_table(rows: list[dict], path: Path, args) -> None:
     lines = [f"CPU: {cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-             f"{'compiled' if args.compile else 'eager'}; {args.max_tokens} tokens a request, medians of "
-             f"{args.repeats} runs in turn.", "",
+             f"{'compiled' if args.compile else 'eager'}; {args.max_tokens} tokens a request, "
+             f"{args.requests} requests a run (at least a batch), medians of {args.repeats} runs in turn.", "",
              "| cell | best fixed | auto / best fixed | auto / plain | off settled (after round "
              f"{args.settle_after}) | settled on | bookkeeping ms/round | same tokens | run-to-run spread |",
              "|---|---|---:|---:|---:|---|---:|---|---:|"]
