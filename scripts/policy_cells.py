@@ -13,8 +13,9 @@ cell rests on one prompt:
    the policy, --repeats times in turn (after one untimed run of the policy), the arms
    taking turns a batch of requests at a time (`Turn`).
 
-The table gives each cell's medians as auto / best fixed (the fastest of step 2's fixed
-arms, plain decoding included) and auto / plain, the rounds the policy ran on other
+The table gives each cell's auto / best fixed (the fastest of step 2's fixed arms by
+median, plain decoding included) and auto / plain, each the median of the turns' own
+ratios (`ratios`), the rounds the policy ran on other
 configurations than the one it settled on (per request, the one it ran most after that
 request's first --settle-after rounds), its bookkeeping per round, and the run-to-run spread
 (per arm (max - min) / median of its runs, the median over the arms): a shared machine's
@@ -23,7 +24,8 @@ plain decoding's (greedy, or sampled with the study's per-request seeds). One en
 batch size serves every cell of that size, as a server would: the policy's learnt state
 carries from cell to cell. Writes cells.jsonl, cells.md and cells.png (auto / best fixed
 per cell, beside an earlier run's cells.jsonl given as --before) into --out;
-`--plot-only` redraws the plot from --out's cells.jsonl.
+`--plot-only` summarises --out's cells.jsonl again from its runs (`ratios`; give the flags
+it was measured with, for the table's heading) and redraws table and plot.
 
     python scripts/policy_cells.py --out DIR [--workloads gsm8k,mbpp,sharegpt]
         [--batches 1,4,16] [--temperatures 0,0.7] [--max-tokens 96] [--requests 16]
@@ -156,7 +158,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
-        plot(read_rows(out / "cells.jsonl"), out / "cells.png", read_rows(args.before) if args.before else None)
+        rows = [{**r, **ratios(r["runs"])} for r in read_rows(out / "cells.jsonl")]
+        (out / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_table(rows, out / "cells.md", args)
+        plot(rows, out / "cells.png", read_rows(args.before) if args.before else None)
         return
     workloads = args.workloads.split(",")
     batches = [int(b) for b in args.batches.split(",")]
@@ -201,16 +206,10 @@ def main() -> None:
                 settled[label] += 1
             rounds.update(log.choices)
             bookkeeping.append(1e3 * t.policy_seconds / max(len(log.choices), 1))
-        median = {k: statistics.median(v) for k, v in tok_s.items()}
-        # How far one arm's runs lie apart, (max - min) / median, the median over the
-        # arms: a miss smaller than this says nothing about the policy.
-        spread = statistics.median((max(v) - min(v)) / statistics.median(v) for v in tok_s.values())
-        best = max((k for k in median if k != "auto"), key=median.get)
-        row = {"workload": workload, "batch": B, "temperature": T, "requests": n, "tok_s": median, "best_fixed": best,
-               "auto_over_best": median["auto"] / median[best], "auto_over_plain": median["auto"] / median["none"],
+        row = {"workload": workload, "batch": B, "temperature": T, "requests": n, **ratios(tok_s),
                "off_settled": statistics.median(off) if off else None,
                "settled": settled.most_common(1)[0][0] if settled else None,
-               "bookkeeping_ms": statistics.median(bookkeeping), "same_tokens": same, "spread": spread,
+               "bookkeeping_ms": statistics.median(bookkeeping), "same_tokens": same,
                "runs": tok_s,
                "rounds": dict(rounds.most_common()), "sweep": sweep}
         rows.append(row)
@@ -223,6 +222,24 @@ def main() -> None:
     bar.close()
     write_table(rows, out / "cells.md", args)
     plot(rows, out / "cells.png", read_rows(args.before) if args.before else None)
+
+
+def ratios(tok_s: dict[str, list[float]]) -> dict:
+    """A cell's summary from each arm's tok/s, turn by turn: the best fixed arm (highest
+    median), auto over it and over plain decoding as the median of the turns' own ratios
+    (the arms of a turn ran side by side, so a turn's ratio is free of the machine's
+    slower and faster spells that move whole turns; the ratio of the medians beside it),
+    and the run-to-run spread, (max - min) / median of an arm's runs, the median over the
+    arms: a miss smaller than this says nothing about the policy."""
+    median = {k: statistics.median(v) for k, v in tok_s.items()}
+    best = max((k for k in median if k != "auto"), key=median.get)
+
+    def paired(arm: str) -> float:
+        return statistics.median(a / b for a, b in zip(tok_s["auto"], tok_s[arm]))
+    return {"tok_s": median, "best_fixed": best, "auto_over_best": paired(best), "auto_over_plain": paired("none"),
+            "medians_auto_over_best": median["auto"] / median[best],
+            "medians_auto_over_plain": median["auto"] / median["none"],
+            "spread": statistics.median((max(v) - min(v)) / statistics.median(v) for v in tok_s.values())}
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -261,7 +278,8 @@ def plot(rows: list[dict], path: Path, before: list[dict] | None = None) -> None
 def write_table(rows: list[dict], path: Path, args) -> None:
     lines = [f"CPU: {cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
              f"{'compiled' if args.compile else 'eager'}; {args.max_tokens} tokens a request, "
-             f"{args.requests} requests a run (at least a batch), medians of {args.repeats} runs in turn.", "",
+             f"{args.requests} requests a run (at least a batch); ratios are medians of {args.repeats} turns' "
+             "own ratios.", "",
              "| cell | best fixed | auto / best fixed | auto / plain | off settled (after round "
              f"{args.settle_after}) | settled on | bookkeeping ms/round | same tokens | run-to-run spread |",
              "|---|---|---:|---:|---:|---|---:|---|---:|"]
