@@ -276,9 +276,10 @@ def plot(rows: list[dict], path: Path, before: list[dict] | None = None) -> None
 
 
 def write_table(rows: list[dict], path: Path, args) -> None:
+    turns = " or ".join(str(n) for n in sorted({len(r["runs"]["auto"]) for r in rows}))
     lines = [f"CPU: {cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
              f"{'compiled' if args.compile else 'eager'}; {args.max_tokens} tokens a request, "
-             f"{args.requests} requests a run (at least a batch); ratios are medians of {args.repeats} turns' "
+             f"{args.requests} requests a run (at least a batch); ratios are medians of {turns} turns' "
              "own ratios.", "",
              "| cell | best fixed | auto / best fixed | auto / plain | off settled (after round "
              f"{args.settle_after}) | settled on | bookkeeping ms/round | same tokens | run-to-run spread |",
