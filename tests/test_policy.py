@@ -1041,6 +1041,28 @@ def test_exploring_is_for_close_candidates_whose_estimate_could_still_change_the
     assert "chain D=4" not in picks(own_noise=0.15, price=1.02, remaining=1)   # nothing left to use it for
 
 
+def test_an_exploring_round_pays_the_drafters_whole_catch_up():
+    """Speculating after plain rounds first feeds the drafter what it did not follow. A
+    chosen option spreads that over the rounds left, but a single exploring round pays it
+    all: next to plain decoding, a close chain whose price is a guess is explored when the
+    drafter has followed everything (the negative control), and not when its one round
+    would first pay a catch-up of two plain steps."""
+    chain4 = SpecConfig.chain(4)
+
+    def picks(lag: int) -> list[str]:
+        runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+        runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
+        runner.costs.prices = lambda specs, b, context=None, sampled=False: (
+            np.array([1.0 if s is None else 1.02 for s in specs]), np.array([0.01 ** 2, 0.15 ** 2]), np.ones(2))
+        runner.costs.round_noise = lambda b: 0.01
+        runner.costs.catch_up_steps = lambda batch, lag, context=None, sampled=False: 2.0 if lag else 0.0
+        return [spec_label(choose(runner, [1], lag=[lag], remaining=[1000])) for _ in range(4 * TUNING.redecide_every)]
+
+    followed, behind = picks(lag=0), picks(lag=16)
+    assert followed[0] == "none" and "chain D=4" in followed
+    assert set(behind) == {"none"}
+
+
 def test_engine_wide_acceptance_remembers_more_than_one_requests_last_rounds():
     """At batch 1 the engine-wide statistics are that one request's rounds: they keep about
     GLOBAL_MEMORY of them, not the request's own last ten, so a few misses after many hits

@@ -148,6 +148,7 @@ class AdaptivePolicy:
         self._request_rows: dict[int, int] = {}
         self._spec_index = {spec: i for i, spec in enumerate(self.specs)}
         self._tokens = np.zeros(0)
+        self._once = np.zeros(0)
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
         # Plain rounds over one batch not yet applied to the statistics: they only make
@@ -285,7 +286,10 @@ class AdaptivePolicy:
         estimate has the standard deviation s = sqrt of the difference, and the choice
         improves by E[max(0, change - gap)], gap = how far j's estimate lies below the
         choice's, for every round left to use it. The round itself gives up
-        1 - exp(-gap) of a round's value."""
+        1 - exp(-gap) of a round's value, where a round of j after rounds the drafter did
+        not follow pays that whole catch-up (about one plain step at batch 1 compiled): in
+        a cell where plain decoding and speculation are level, that is what exploring
+        costs."""
         # Only a lead past the noise changes the choice (`lead_noise`): that much more to go.
         gap = value[best] - value + self.tuning.lead_noise * np.sqrt(
             own + own[best] + np.where(kinds != kinds[best], shared + shared[best], 0.0))     # [O]
@@ -303,7 +307,7 @@ class AdaptivePolicy:
                 continue
             z = -gap[j] / s[j]
             gain = s[j] * (_normal_pdf(z) + z * _normal_cdf(z))
-            worth[j] = horizon * gain - (1.0 - math.exp(value[j] - value[best]))
+            worth[j] = horizon * gain - (1.0 - math.exp(value[j] + self._once[j] - value[best]))
         j = int(np.argmax(worth))
         return options[j] if worth[j] > 0 else _NOTHING
 
@@ -315,7 +319,9 @@ class AdaptivePolicy:
         [O] (its price, and its acceptance's departure from its kind's) and its kind's
         [O] (the acceptance its kind shares, nil for plain decoding); and the variance of
         what one more round of it measures of its own part [O]. Sets `_tokens` [O]: each
-        option's expected tokens a round over these requests."""
+        option's expected tokens a round over these requests, and `_once` [O]: what its
+        log value loses for a single round, which pays the drafter's whole catch-up
+        rather than a share of it (an exploring round, `_worth_exploring`)."""
         self._settle()
         B = len(seq_ids)
         specs = self.specs
@@ -323,6 +329,7 @@ class AdaptivePolicy:
         sampled = _samples(modes)
         price, own, _ = self._cost_model().prices(options, B, context, sampled)           # [O] plain steps
         tokens, shared = np.full(len(options), float(B)), np.zeros(len(options))
+        unpaid = np.zeros(len(options))       # a catch-up's part that the rounds left do not share
         step = np.full(len(options), self._cost_model().round_noise(B) ** 2)
         self._predicted = {}
         if specs:
@@ -351,9 +358,12 @@ class AdaptivePolicy:
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
                 left = float(np.mean(remaining)) if remaining else 0.0
-                price[k:] = price[k:] + self._cost_model().catch_up_steps(B, max(lag), context, sampled) / \
-                    np.maximum(1.0, left * B / tokens[k:])
+                catch_up = self._cost_model().catch_up_steps(B, max(lag), context, sampled)
+                share = catch_up / np.maximum(1.0, left * B / tokens[k:])
+                price[k:] = price[k:] + share
+                unpaid[k:] = catch_up - share
         self._tokens = tokens
+        self._once = -np.log1p(unpaid / price)
         return options, np.log(tokens / B) - np.log(price), own, shared, step
 
     def observe(self, batch: BatchView, result: RoundResult) -> None:
