@@ -216,7 +216,7 @@ def main() -> None:
         with open(out / "cells.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         bar.update(1)
-        tqdm.write(f"{workload} b{B} T={T}: auto/best {row['auto_over_best']:.2f} ({best}), auto/plain "
+        tqdm.write(f"{workload} b{B} T={T}: auto/best {row['auto_over_best']:.2f} ({row['best_fixed']}), auto/plain "
                    f"{row['auto_over_plain']:.2f}, off-settled {row['off_settled']}, "
                    f"{row['bookkeeping_ms']:.2f} ms/round, same {same}; {dict(rounds.most_common(3))}")
     bar.close()

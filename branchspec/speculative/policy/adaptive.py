@@ -38,8 +38,9 @@ up to `redecide_most` rounds, while decisions keep the choice):
   it could gain exceeds what it loses: the expected improvement over the choice that one
   more round of evidence could reveal (the knowledge gradient of a normal estimate), times
   the rounds the batch has left to use it (at most `explore_horizon`), against the value
-  that round gives up. A candidate far behind, or already well measured, is not explored;
-  a close one whose price is still a guess is, once or twice;
+  that round gives up (after plain rounds, with the drafter's whole catch-up: one round
+  pays it all). A candidate far behind, or already well measured, is not explored; a
+  close one whose price is still a guess is, once or twice;
 * plain rounds do not feed the drafter, so speculating after them first costs one drafter
   pass over what it missed: paid once, spread over the rounds the batch has left. A
   prompt's drafter prefill is priced the same way at admission (`defer_drafter`).
