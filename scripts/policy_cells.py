@@ -4,14 +4,16 @@ the best fixed configuration, side by side, on held-out prompts.
 For each (temperature, batch size, workload) cell, a run serves --requests of the workload's
 eval prompts (at least one batch; the study's cell: `scripts/study_cell.py`), each request
 --max-tokens long, through an engine of that batch size: at batch 1, sixteen requests one
-after another, so a run lasts seconds rather than the 0.2 s of a single request and no
-cell rests on one prompt:
+after another, so that no cell rests on one prompt. The policy runs on the LLM's engine,
+every fixed configuration on an engine of its own over the same model and compiled steps
+(`twin`):
 
-1. a sweep: every fixed configuration of FIXED once (plain decoding among them; with
-   --compile, `fast_path_candidates()`, which are then the policy's candidates too);
+1. a sweep: every fixed configuration of FIXED once, alone (plain decoding among them;
+   with --compile, `fast_path_candidates()`, which are then the policy's candidates too),
+   and the policy once, untimed: each engine's first look at the cell;
 2. side by side: plain decoding, the sweep's --top fastest speculative configurations and
-   the policy, --repeats times in turn (after one untimed run of the policy), the arms
-   taking turns a batch of requests at a time (`Turn`).
+   the policy, --repeats turns, the engines taking steps in turn, paced by the tokens
+   each has emitted (`SideBySide`).
 
 The table gives each cell's auto / best fixed (the fastest of step 2's fixed arms by
 median, plain decoding included) and auto / plain, each the median of the turns' own
@@ -22,7 +24,7 @@ request's first --settle-after rounds), its bookkeeping per round, and the run-t
 noise, against which a miss of the goal is to be read. Every output must equal
 plain decoding's (greedy, or sampled with the study's per-request seeds). One engine per
 batch size serves every cell of that size, as a server would: the policy's learnt state
-carries from cell to cell. Writes cells.jsonl, cells.md and cells.png (auto / best fixed
+carries from cell to cell (and each twin's, for its configuration). Writes cells.jsonl, cells.md and cells.png (auto / best fixed
 per cell, beside an earlier run's cells.jsonl given as --before) into --out;
 `--plot-only` summarises --out's cells.jsonl again from its runs (`ratios`; give the flags
 it was measured with, for the table's heading) and redraws table and plot.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -47,6 +50,7 @@ from tqdm import tqdm
 from branchspec import LLM, SpecConfig
 from branchspec.bench.study import StudyConfig, batch_prompts, load_prompts, request_params
 from branchspec.config import fast_path_candidates, spec_label
+from branchspec.engine.engine import Engine
 from branchspec.machine import cpu_model_name
 
 # The fixed arms: plain decoding, chains and calibrated trees near where the study's sweeps
@@ -58,8 +62,8 @@ FIXED = (None, SpecConfig.chain(4), SpecConfig.chain(5), SpecConfig.chain(6),
 
 
 class ChoiceLog:
-    """Every configuration the policy chose, in order, over one turn's runs of it, and
-    which requests each round served with how many rounds each had had before it."""
+    """Every configuration the policy chose, in order, over one turn, and which requests
+    each round served with how many rounds each had had before it."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -99,42 +103,56 @@ class ChoiceLog:
         return settled.most_common(1)[0][0], off / sum(c.total() for c in late.values())
 
 
-def run(llm: LLM, prompts, params, spec) -> tuple[float, list, object]:
-    outs = llm.generate(prompts, params, spec=spec, use_tqdm=False)
-    return llm.last_stats.decode_throughput, [o.token_ids for o in outs], llm.last_stats
+def twin(llm: LLM) -> Engine:
+    """Another engine over `llm`'s model and compiled steps, with a paged state, drafter and
+    measured acceptance of its own: one fixed arm's, so that the arms can step in turn
+    without sharing a batch, each learning only from its own rounds as a user's engine
+    running that configuration would."""
+    e = llm.engine
+    return Engine(llm.model, e.config, seed=0, stop_token_ids=tuple(e.stop_token_ids),
+                  draft_vocab=e.drafter.vocab if e.drafter is not None else None,
+                  executor=lambda model, cache: e.executor.over(cache))
 
 
-class Turn:
-    """One turn of the side-by-side runs: every arm serves the cell's requests, a batch at a
-    time, the arms taking turns batch by batch (each batch's order starting one arm later
-    than the last's), so a slow spell of the machine, which lasts seconds, falls on every
-    arm alike. An arm's speed is its tokens over its decode seconds, summed over batches."""
+class SideBySide:
+    """Arms serving the same requests side by side, each on its own engine, the engines
+    taking steps in turn: always the one that has emitted the fewest tokens steps next.
+    The requests ignore EOS, so every arm emits the same total, and the arms move through
+    the workload at the same pace: a slow spell of the machine, which lasts seconds, falls
+    on all of them at the same point of it, at every batch size (a batch of 64 takes
+    seconds, so taking turns a batch at a time left one arm to each spell). An arm's speed
+    is its tokens over its steps' seconds less their prefill, as
+    `GenerateStats.decode_throughput` counts it."""
 
-    def __init__(self, llm: LLM, arms: list, auto, log: ChoiceLog):
-        self.llm, self.arms, self.auto, self.log = llm, arms, auto, log
-        self.tokens = {spec_label(s): 0 for s in arms}
-        self.seconds = {spec_label(s): 0.0 for s in arms}
-        self.outputs: dict[str, list] = {spec_label(s): [] for s in arms}
-        self.policy_seconds = 0.0
+    def __init__(self, arms: dict[str, tuple[Engine, object]], prompts: list[list[int]], params: list):
+        self.arms = arms
+        self.seqs = {label: [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
+                     for label, (engine, _) in arms.items()}
+        self.seconds = dict.fromkeys(arms, 0.0)
 
-    def serve(self, batches: list[tuple[list, list]], start: int) -> None:
-        k = len(self.arms)
-        for b, (prompts, params) in enumerate(batches):
-            shift = (start + b) % k
-            for spec in self.arms[shift:] + self.arms[:shift]:
-                label = spec_label(spec)
-                if spec is self.auto:
-                    with self.log:
-                        _, tokens, stats = run(self.llm, prompts, params, spec)
-                    self.policy_seconds += stats.policy_seconds
-                else:
-                    _, tokens, stats = run(self.llm, prompts, params, spec)
-                self.tokens[label] += stats.num_generated
-                self.seconds[label] += stats.decode_seconds
-                self.outputs[label].extend(tokens)
+    def emitted(self, label: str) -> int:
+        return sum(len(s.output_ids) for s in self.seqs[label])
+
+    def run(self) -> "SideBySide":
+        try:
+            while active := [label for label, (engine, _) in self.arms.items() if engine.scheduler.has_work()]:
+                label = min(active, key=self.emitted)
+                engine, spec = self.arms[label]
+                prefill = engine.phase_seconds["prefill"]
+                t0 = time.perf_counter()
+                engine.step(spec)
+                self.seconds[label] += time.perf_counter() - t0 - (engine.phase_seconds["prefill"] - prefill)
+        finally:       # a failure must not leave requests holding pages
+            for label, (engine, _) in self.arms.items():
+                for s in self.seqs[label]:
+                    engine.abort(s)
+        return self
 
     def tok_s(self, label: str) -> float:
-        return self.tokens[label] / self.seconds[label]
+        return self.emitted(label) / self.seconds[label]
+
+    def outputs(self, label: str) -> list[list[int]]:
+        return [list(s.output_ids) for s in self.seqs[label]]
 
 
 def main() -> None:
@@ -181,31 +199,41 @@ def main() -> None:
             if args.compile:
                 llm.warmup(auto, batch_sizes=(B,))
             policy = llm.engine.policy(auto, progress=True)
+            # The policy runs on the LLM's engine, whose learnt state carries from cell to
+            # cell as a server's would; each fixed configuration on a twin of its own.
+            engines = {spec_label(s): twin(llm) for s in fixed}
+            engines["auto"] = llm.engine
         cfg = StudyConfig(workloads=(workload,), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           temperature=T, seed=0, batch_sizes=(B,), progress=False, mbpp_path=args.mbpp_path)
         n = max(args.requests, B)
         prompts = batch_prompts(load_prompts(cfg, llm)[workload], n)
         params = request_params(cfg, n)
-        sweep = {spec_label(s): run(llm, prompts, params, s)[0] for s in fixed}
+
+        def side_by_side(specs: list) -> SideBySide:
+            return SideBySide({spec_label(s): (engines[spec_label(s)], s) for s in specs}, prompts, params).run()
+
+        # The sweep (each arm alone, once) picks the arms and is each engine's first look at
+        # the cell, as the policy's untimed run is.
+        sweep = {spec_label(s): side_by_side([s]).tok_s(spec_label(s)) for s in fixed}
         fastest = sorted((s for s in fixed if s is not None), key=lambda s: -sweep[spec_label(s)])[:args.top]
         arms = [None, *fastest, auto]
+        reference = side_by_side([auto]).outputs("auto")
         tok_s = {spec_label(s): [] for s in arms}
-        reference = run(llm, prompts, params, auto)[1]          # untimed: the policy's first look
-        batches = [(prompts[i:i + B], params[i:i + B]) for i in range(0, n, B)]
         same, off, settled, bookkeeping, rounds = True, [], Counter(), [], Counter()
         for turn in range(args.repeats):
             log = ChoiceLog(policy)
-            t = Turn(llm, arms, auto, log)
-            t.serve(batches, start=turn * len(batches))
+            before = policy.decide_seconds
+            with log:
+                t = side_by_side(arms)
             for spec in arms:
                 tok_s[spec_label(spec)].append(t.tok_s(spec_label(spec)))
-                same &= t.outputs[spec_label(spec)] == reference
+                same &= t.outputs(spec_label(spec)) == reference
             label, share = log.off_settled(args.settle_after)
             if share is not None:
                 off.append(share)
                 settled[label] += 1
             rounds.update(log.choices)
-            bookkeeping.append(1e3 * t.policy_seconds / max(len(log.choices), 1))
+            bookkeeping.append(1e3 * (policy.decide_seconds - before) / max(len(log.choices), 1))
         row = {"workload": workload, "batch": B, "temperature": T, "requests": n, **ratios(tok_s),
                "off_settled": statistics.median(off) if off else None,
                "settled": settled.most_common(1)[0][0] if settled else None,
