@@ -563,6 +563,52 @@ def test_a_slow_spell_of_the_machine_cancels_out_of_a_price():
         assert choose(runner, list(range(8))) == expected
 
 
+def test_a_round_is_read_against_the_plain_steps_served_beside_it():
+    """Where plain decoding ran lately (`pair_rounds`), a round is priced against those
+    plain steps themselves, not through its forward's calibrated price: a verify forward
+    served 30% dearer against the plain step than calibrated shows, and a slow spell
+    still cancels (it slows the plain steps beside the round too). Negative control: with
+    the plain steps further back than `pair_rounds`, the round is read against its own
+    forward, whose calibrated price hides the 30%."""
+    chain, tree, B = SpecConfig.chain(4), SpecConfig(3, 2, 6), 8
+    paired, control = flat_costs(10.0, 1.0), flat_costs(10.0, 1.0)
+    step = paired.plain_seconds(B)
+    forward = paired._price_of("verify", chain, B, None) * step
+    for slow in [1.0] * 10 + [3.0] * 10:          # idle, then a slow spell: every call 3x slower
+        for costs, between in ((paired, 0), (control, TUNING.pair_rounds)):
+            for _ in range(2):
+                costs.observe(None, B, slow * step, forward_seconds=slow * step)
+            for _ in range(between):             # rounds of another shape in between
+                costs.observe(tree, B, slow * costs.predict(tree, B))
+            # Its forward 30% dearer than calibrated, and the round's other calls with it.
+            costs.observe(chain, B, slow * 1.3 * costs.predict(chain, B), forward_seconds=slow * 1.3 * forward)
+    assert paired.price(chain, B) == pytest.approx(1.3 * paired.calibrated(chain, B), rel=0.01)
+    assert paired.price(None, B) == pytest.approx(1.0, rel=0.01)
+    assert control.price(chain, B) == pytest.approx(control.calibrated(chain, B), rel=0.01)
+
+
+def test_a_sampled_round_is_read_against_the_sampled_plain_steps_beside_it():
+    """Over sampled requests the plain steps beside a round drew at every request, and the
+    round at every node: a round that costs what the calibration and the draws say is
+    priced as calibrated, in the sampled batch's own plain steps, during a slow spell too.
+    Negative control: with no plain steps beside it (and no forward time) it is read
+    against the calibrated plain step, and the slow spell lands on it."""
+    chain, B = SpecConfig.chain(4), 8
+    costs, control = flat_costs(10.0, 1.0), flat_costs(10.0, 1.0)
+    costs.draws = control.draws = 0.2e-3 * np.asarray(DRAW_ROWS, float)     # 0.2 ms a node: 0.02 plain steps
+    at_nodes, at_roots = 0.02 * B * chain.num_draft_tokens, 0.02 * B
+    rounds, step = costs.calibrated(chain, B), costs.plain_seconds(B)
+    slow = 2.0                    # a slow spell the calibrated plain step knows nothing of
+    for _ in range(10):
+        costs.observe(None, B, slow * (1.0 + at_roots) * step, forward_seconds=slow * (1.0 + at_roots) * step,
+                      sampled=True)
+        for c in (costs, control):
+            c.observe(chain, B, slow * (rounds + at_nodes) * step, forward_seconds=None, sampled=True)
+    truth = (rounds + at_nodes) / (1.0 + at_roots)
+    assert costs.prices((chain, None), B, None, sampled=True)[0] == pytest.approx([truth, 1.0], rel=1e-6)
+    assert control.prices((chain,), B, None, sampled=True)[0][0] > 1.9 * truth
+
+
 def test_a_pending_drafter_catch_up_is_paid_for_by_the_rounds_left():
     """Speculating after the drafter fell behind (a deferred prompt) first costs one
     drafter pass over the lag: worth it for a long generation, not for a few tokens."""

@@ -3,9 +3,10 @@
 Whole rounds of every candidate are run once per machine through the engine's own runner
 (`speculative.profiling.calibrate`, outside the policy: it runs execution code), each
 between two plain decode steps, and priced as its ratio to them. Rounds measured as they
-serve correct that ratio, each read against the target forward inside it: a slow spell of
-the machine slows every call of a round alike, so it cancels out of the ratio instead of
-landing on whichever candidate ran during it.
+serve correct that ratio, each read against the plain steps served beside it or, where
+there are none, against the target forward inside it: a slow spell of the machine slows
+every call alike, so it cancels out of the ratio instead of landing on whichever
+candidate ran during it.
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ class CostModel:
     could not say otherwise: they are read against a forward that the draw slows too.
 
     **Corrections.** A round measured as it serves is converted to plain steps at the
-    speed the machine had during that very round: (its seconds / its target forward's) x
-    the forward's calibrated price. Per (candidate, batch bucket) the last `ratio_history`
+    speed the machine had during that very round: over the plain steps served beside it
+    (the median of the latest within `pair_rounds` rounds before it, at the same batch
+    bucket and sampling), or, where plain decoding has not run lately, (its seconds / its
+    target forward's) x the forward's calibrated price. The first reading needs no
+    calibrated ratio at all: served verify forwards cost 3-18% more against a plain step
+    than the calibration's (docs/policy.md), which the second cannot see and which tips a
+    level cell towards speculating. Per (candidate, batch bucket) the last `ratio_history`
     log-corrections (measured over calibrated) are kept; a candidate's correction is their
     median, shrunk towards its kind's (chain, tree, plain) with `ratio_prior_rounds`
     rounds' weight, so a candidate not yet measured is priced by its calibrated round and
@@ -110,6 +116,10 @@ class CostModel:
         self._priced: dict[tuple, tuple] = {}
         self._calibrated: dict[tuple, tuple] = {}
         self._warm: set[tuple[str, int]] = set()
+        # per (batch bucket, sampled): rounds observed, and the latest plain steps' seconds
+        # with the round count each came at (what a round is read against, `observe`)
+        self._rounds: dict[tuple[int, bool], int] = {}
+        self._plain_steps: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         self._labels: dict[int, tuple] = {}     # per id of a candidate tuple: the tuple, its labels
 
     @classmethod
@@ -239,25 +249,35 @@ class CostModel:
                 context: float | None = None, sampled: bool = False) -> None:
         """A measured round of `seconds` over `context` committed tokens on average, whose
         target forward (its verify phase; a plain step's forward) took `forward_seconds`.
-        In plain steps at the speed of that moment it is (seconds / forward_seconds) x the
-        forward's calibrated price; without a forward time, seconds over the calibrated
-        plain step (as if the machine ran at calibration speed). A candidate's first round
-        at a batch bucket pays one-time costs (allocation, a new shape's metadata) and is
-        not counted, nor is a round of a configuration without a calibrated price (one a
-        caller forced outside the candidates): there is nothing to correct. `sampled`: some
-        request of the batch samples, so its forward also drew a token at every node."""
+        In plain steps at the speed of that moment it is its seconds over the plain steps
+        served beside it (`pair_rounds`), or without those (seconds / forward_seconds) x
+        the forward's calibrated price; without a forward time either, seconds over the
+        calibrated plain step (as if the machine ran at calibration speed). A candidate's
+        first round at a batch bucket pays one-time costs (allocation, a new shape's
+        metadata) and is not counted, nor is a round of a configuration without a
+        calibrated price (one a caller forced outside the candidates): there is nothing to
+        correct. `sampled`: some request of the batch samples, so its forward also drew a
+        token at every node."""
         key = (spec_label(spec), self.bucket(batch))
         if not self.knows(spec):
             return
+        t = self.tuning
+        clock = (key[1], sampled)
+        self._rounds[clock] = count = self._rounds.get(clock, 0) + 1
         if key not in self._warm:
             self._warm.add(key)
             return
         draw = self._sampled(spec, batch, context)[0] if sampled else 0.0
-        if forward_seconds is not None and forward_seconds > 0:
+        beside = [] if spec is None else [
+            step for at, step in self._plain_steps.get(clock, ()) if count - at <= t.pair_rounds]
+        if beside:        # in the sampled batch's plain steps, (1 + their draw) grid steps each
+            steps = seconds / _median(beside) * (1.0 + (self._sampled(None, batch, context)[0] if sampled else 0.0))
+        elif forward_seconds is not None and forward_seconds > 0:
             steps = seconds / forward_seconds * (self._price_of("verify", spec, batch, context) + draw)
         else:
             steps = seconds / self.plain_seconds(batch, context)
-        t = self.tuning
+        if spec is None:
+            self._plain_steps.setdefault(clock, deque(maxlen=t.pair_steps)).append((count, seconds))
         correction = math.log(max(steps, 1e-9) / (self.calibrated(spec, batch, context) + draw))
         history = self.corrections.setdefault(key, deque(maxlen=t.ratio_history))
         history.append(min(max(correction, -t.ratio_clamp), t.ratio_clamp))

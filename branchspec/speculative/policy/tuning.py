@@ -65,6 +65,16 @@ class Tuning:
     explore_horizon: int = 48
 
     # -- round prices (costs.py) ----------------------------------------------------------------
+    # A served round is read against the plain steps served within this many rounds before
+    # it (the median of the latest `pair_steps` of them; same batch bucket and sampling),
+    # which ran at the machine's speed of that moment and on the same engine state. More
+    # pairs a round with plain steps more often, but with ones run further from it (a
+    # slow spell of the machine lasts seconds: hundreds of rounds at batch 1); without
+    # any, a round is read against its own target forward and that forward's calibrated
+    # price, which misses what the served forward costs beyond the calibrated one.
+    pair_rounds: int = 32
+    # More plain steps in that median are steadier and reach further back.
+    pair_steps: int = 8
     # Measured corrections (log of a round's plain steps over its forwards' ratio) kept per
     # (candidate, batch bucket): more is steadier, fewer follows a change sooner.
     ratio_history: int = 16
