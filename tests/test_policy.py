@@ -952,6 +952,29 @@ def test_the_decision_period_grows_while_the_choice_holds_and_shrinks_when_it_ch
     assert set(np.diff(fixed).tolist()) == {every} and len(fixed) > len(at) - 2
 
 
+def test_while_plain_decoding_holds_decisions_thin_out_further():
+    """Plain rounds teach nothing of acceptance, so while plain decoding is the standing
+    choice the period keeps doubling up to `redecide_most_plain` rounds; a speculative
+    choice stops at `redecide_most`. Negative control: with the two equal, plain decoding
+    is decided for as often as speculation."""
+    from dataclasses import replace
+    chain4 = SpecConfig.chain(4)
+
+    def periods(tuning, plain_wins: bool):
+        runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5), tuning=tuning)
+        runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
+        set_prices(runner, {"none": 1.0, "chain D=4": 3.0 if plain_wins else 0.3}, noise=0.01)
+        at = count_decisions(runner)
+        picks = [choose(runner, [1]) for _ in range(512)]
+        assert set(picks) == {None if plain_wins else chain4}
+        return np.diff(at).tolist()
+
+    assert max(periods(TUNING, plain_wins=True)) == TUNING.redecide_most_plain > TUNING.redecide_most
+    assert max(periods(TUNING, plain_wins=False)) == TUNING.redecide_most
+    same = replace(TUNING, redecide_most_plain=TUNING.redecide_most)
+    assert max(periods(same, plain_wins=True)) == TUNING.redecide_most
+
+
 def test_an_exploring_round_does_not_start_the_decision_period_over():
     """Every decision here keeps the choice and asks for one round of the other candidate:
     the period still doubles up to `redecide_most`, with one exploring round in each, so

@@ -29,7 +29,8 @@ factors are measured, not assumed:
   its kind's correction, with the variance of not knowing its own.
 
 **Choosing** (`_decide`, every few rounds or when the batch changes; the period doubles,
-up to `redecide_most` rounds, while decisions keep the choice):
+up to `redecide_most` rounds, or `redecide_most_plain` for plain decoding, while
+decisions keep the choice):
 
 * the standing choice stays unless a challenger's estimated lead exceeds `lead_noise`
   standard deviations of the difference: the best of many noisy estimates is biased high,
@@ -215,13 +216,15 @@ class AdaptivePolicy:
         cost more).
 
         The estimates are recomputed every `redecide_every` rounds (more at large
-        batches; up to `redecide_most` while the choice holds), or at once when the batch
+        batches; up to `redecide_most` while the choice holds, `redecide_most_plain`
+        while plain decoding does), or at once when the batch
         changed; in between the choice stands, but for the one exploring round a decision
         may ask for, run right after it."""
         seq_ids, t = batch.seq_ids, self.tuning
         key = tuple(seq_ids)
         every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
-        every = min(every << self._steady, max(every, t.redecide_most))
+        most = t.redecide_most_plain if self._decided and self.last_choice is None else t.redecide_most
+        every = min(every << self._steady, max(every, most))
         changed = self._must_decide(key)
         decide = changed or self._rounds_since >= every - 1
         if decide:
@@ -273,8 +276,9 @@ class AdaptivePolicy:
         # An exploring round is part of holding a choice: only a switch starts the period over
         # (one exploring round a period, so fewer once the choice holds).
         kept = self._decided and options[best] == self.last_choice
-        # (no more doublings than reach `redecide_most` from a period of one round)
-        self._steady = min(self._steady + 1, self.tuning.redecide_most.bit_length()) if kept else 0
+        # (no more doublings than reach the longest period from a period of one round)
+        most = max(self.tuning.redecide_most, self.tuning.redecide_most_plain)
+        self._steady = min(self._steady + 1, most.bit_length()) if kept else 0
         self.last_choice, self._decided = options[best], True
 
     def _worth_exploring(self, options: list, value: np.ndarray, own: np.ndarray, shared: np.ndarray,

@@ -53,6 +53,13 @@ class Tuning:
     # change in acceptance (a new topic within a request) that many rounds later. A
     # request that joins the batch is decided for at once, and the period starts over.
     redecide_most: int = 16
+    # The same while the standing choice is plain decoding. Plain rounds teach nothing of
+    # acceptance (the estimates move only by the drift back towards the prior and the
+    # growing context), so deciding as often only costs: a decision is 0.3-0.8 ms, 6-15%
+    # of a compiled plain step at batch 4, and each exploring round it may ask for pays
+    # the drafter's whole catch-up. Higher is cheaper where plain decoding wins, and
+    # slower back to speculation where that drift (or a change of text) makes it win.
+    redecide_most_plain: int = 64
     # A challenger replaces the standing choice once its estimated lead exceeds this many
     # standard deviations of the difference (the choice is the largest of many noisy
     # estimates, so its own is biased high). Lower switches sooner on real gains and more
