@@ -24,8 +24,9 @@ request's first --settle-after rounds), its bookkeeping per round, and the run-t
 noise, against which a miss of the goal is to be read. Every output must equal
 plain decoding's (greedy, or sampled with the study's per-request seeds). One engine per
 batch size serves every cell of that size, as a server would: the policy's learnt state
-carries from cell to cell (and each twin's, for its configuration). Writes cells.jsonl, cells.md and cells.png (auto / best fixed
-per cell, beside an earlier run's cells.jsonl given as --before) into --out;
+carries from cell to cell (and each twin's, for its configuration). Writes cells.jsonl,
+cells.md and cells.png (auto / best fixed per cell, beside an earlier run's cells.jsonl
+given as --before) into --out;
 `--plot-only` summarises --out's cells.jsonl again from its runs (`ratios`; give the flags
 it was measured with, for the table's heading) and redraws table and plot.
 
