@@ -702,8 +702,6 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     rounds, verify = first.grids["round"], first.grids["verify"]
     assert (rounds[:, [0, 2]] > 1.0).all() and (verify[:, [0, 2]] < rounds[:, [0, 2]]).all()
     assert (first.grids["catch_up"] > 0).all() and (first.plain > 0).all()
-    # a longer catch-up costs more than a one-position one
-    assert (first.grids["catch_up"][:, -1] > first.grids["catch_up"][:, 0]).all()
     monkeypatch.setattr(costs_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
     again = load_or_calibrate(executor, 4, candidates)
     np.testing.assert_array_equal(again.grids["round"], first.grids["round"])
