@@ -973,6 +973,47 @@ def test_while_plain_decoding_holds_decisions_thin_out_further():
     assert max(periods(same, plain_wins=True)) == TUNING.redecide_most
 
 
+def test_a_request_joining_while_plain_decoding_holds_is_decided_for_once_and_keeps_the_period():
+    """A joining request is decided for at its admission (`defer_drafter`), not again at
+    the round after it; while plain decoding holds, the join keeps the grown period (plain
+    rounds measure nothing of the newcomer), while a speculative choice starts it over.
+    Negative control: a join that restarted the period under plain decoding would bring
+    the next decision back within `redecide_every` rounds."""
+    chain4 = SpecConfig.chain(4)
+
+    def after_join(plain_wins: bool):
+        runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+        runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
+        set_prices(runner, {"none": 1.0, "chain D=4": 3.0 if plain_wins else 0.3}, noise=0.01)
+        at = count_decisions(runner)
+        for _ in range(200):
+            choose(runner, [1])
+        before = len(at)
+        deferred = runner.defer_drafter(BatchView([1, 2], [0, 100], [], None))       # request 2 joins
+        assert len(at) == before + 1 and deferred == plain_wins
+        start = runner.rounds_chosen[0]
+        for _ in range(3 * TUNING.redecide_most_plain):
+            choose(runner, [1, 2])
+        return [a - start for a in at[before + 1:]]
+
+    plain = after_join(plain_wins=True)
+    assert plain[0] > TUNING.redecide_every          # the period it had grown to, not a fresh one
+    speculative = after_join(plain_wins=False)
+    assert speculative[0] == TUNING.redecide_every - 1      # watched closely again
+    # the control: the same join with the period started over
+    runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+    runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
+    set_prices(runner, {"none": 1.0, "chain D=4": 3.0}, noise=0.01)
+    for _ in range(200):
+        choose(runner, [1])
+    runner.defer_drafter(BatchView([1, 2], [0, 100], [], None))
+    runner._steady = 0
+    at = count_decisions(runner)
+    for _ in range(2 * TUNING.redecide_every):
+        choose(runner, [1, 2])
+    assert at and at[0] < TUNING.redecide_every
+
+
 def test_an_exploring_round_does_not_start_the_decision_period_over():
     """Every decision here keeps the choice and asks for one round of the other candidate:
     the period still doubles up to `redecide_most`, with one exploring round in each, so

@@ -197,17 +197,18 @@ class AdaptivePolicy:
     def defer_drafter(self, batch: BatchView) -> bool:
         """At admission, over the running batch with the new prompts as lag: the drafter's
         prefill runs with the target's, as a fixed configuration's does, unless plain
-        decoding may run and is the best estimate even before that prefill is paid, the
-        prefill priced like any catch-up, spread over the tokens the batch has left (a
-        chat of a hundred tokens earns it back, a burst of long prompts with a few tokens
-        each to go may not). Then each prompt joins its request's drafter lag, fed only if
-        a speculative round comes."""
+        decoding may run and is what the policy decides for the batch even before that
+        prefill is paid, the prefill priced like any catch-up, spread over the tokens the
+        batch has left (a chat of a hundred tokens earns it back, a burst of long prompts
+        with a few tokens each to go may not). Then each prompt joins its request's drafter
+        lag, fed only if a speculative round comes. This is the decision a request joining
+        asks for (`choose` does not take it again for the same batch)."""
         if None not in self.policy.candidates:
             return False
         if not self.specs:
             return True
-        options, value, *_ = self._values(batch.seq_ids, batch.lag, batch.remaining, batch.context, batch.modes)
-        return int(np.argmax(value)) == 0
+        self._decide_now(batch, changed=True)
+        return self.last_choice is None
 
     def choose(self, batch: BatchView) -> SpecConfig | None:
         """The configuration for the next round over these requests (see `BatchView`:
@@ -226,24 +227,32 @@ class AdaptivePolicy:
         most = t.redecide_most_plain if self._decided and self.last_choice is None else t.redecide_most
         every = min(every << self._steady, max(every, most))
         changed = self._must_decide(key)
-        decide = changed or self._rounds_since >= every - 1
-        if decide:
-            self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
-        t0 = time.perf_counter()
-        if not decide:
+        if changed or self._rounds_since >= every - 1:
+            self._decide_now(batch, changed)
+            run = self.last_choice
+        else:
+            t0 = time.perf_counter()
             self._rounds_since += 1
             run = self.last_choice
             if self._explore is not _NOTHING:
                 run, self._explore = self._explore, _NOTHING
-        else:
-            self._decide(batch)
-            self._last_batch, self._rounds_since = key, 0
-            if changed:             # a request joined (its acceptance unseen), or the size bucket moved
-                self._steady = 0
-            run = self.last_choice
+            self.decide_seconds += time.perf_counter() - t0
         self.counts[spec_label(run)] += 1
-        self.decide_seconds += time.perf_counter() - t0
         return run
+
+    def _decide_now(self, batch: BatchView, changed: bool) -> None:
+        """A decision for this batch (`changed`: a request joined it, or its size bucket
+        moved), from which the period runs. After a change a speculative choice is watched
+        closely again (its rounds measure the newcomer's acceptance); plain rounds measure
+        nothing, so a plain choice that holds keeps its period (a batch of four with
+        requests of a hundred tokens takes one in every 25 rounds)."""
+        self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
+        t0 = time.perf_counter()
+        self._decide(batch)
+        self._last_batch, self._rounds_since = tuple(batch.seq_ids), 0
+        if changed and self.last_choice is not None:
+            self._steady = 0
+        self.decide_seconds += time.perf_counter() - t0
 
     def _must_decide(self, key: tuple[int, ...]) -> bool:
         """Whether the batch changed enough to decide at once: a request joined (its

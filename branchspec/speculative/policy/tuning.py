@@ -51,7 +51,8 @@ class Tuning:
     # it back.
     # Higher costs less bookkeeping once settled and explores less often, but notices a
     # change in acceptance (a new topic within a request) that many rounds later. A
-    # request that joins the batch is decided for at once, and the period starts over.
+    # request that joins the batch is decided for at once (at its admission), and unless
+    # plain decoding holds, the period starts over.
     redecide_most: int = 16
     # The same while the standing choice is plain decoding. Plain rounds teach nothing of
     # acceptance (the estimates move only by the drift back towards the prior and the
