@@ -70,7 +70,8 @@ def main() -> None:
     policy.observe = hooked_observe
 
     def sums() -> dict:
-        return {k: (round(a, 1), round(b, 1)) for k, (a, b) in policy.accept_sums.items() if k in ("chain", "tree")}
+        return {f"{'sampled' if k[0] else 'greedy'} {k[1]}": (round(a, 1), round(b, 1))
+                for k, (a, b) in policy.accept_sums.items() if k[1] in ("chain", "tree")}
     for repeat in range(args.repeats):
         llm.generate(prompts, params, use_tqdm=False)
         plain = llm.last_stats.decode_throughput

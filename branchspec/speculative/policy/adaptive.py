@@ -19,9 +19,12 @@ factors are measured, not assumed:
   measured acceptance. What the model still misses (a selection picks each round's tree
   from that round's draft probabilities) is measured as observed / predicted accepted
   tokens, per kind (chain, tree) and refined per candidate, and corrected for; its
-  variance is that of a count of that many tokens. Evidence of what did not run fades,
-  and plain rounds let the acceptance evidence fade too, so a few unlucky rounds do not
-  rule speculation out for good.
+  variance is that of a count of that many tokens. Evidence of what did not run fades.
+  While plain rounds run, each kind's calibration returns to its long-run ratio (the
+  rounds just before plain decoding took over are biased low), and what speculation
+  would now accept goes unmeasured: what a round of it could reveal widens
+  (`drift_noise`), and exploring retries it once it could have caught up. So a few
+  unlucky rounds do not rule speculation out for good.
 * **Round price** (`costs.CostModel.prices`): a candidate's forwards over the plain step's,
   timed side by side at start-up through the execution path the engine runs, corrected by
   its measured rounds, each read against the target forward inside it, so that the
@@ -137,7 +140,12 @@ class AdaptivePolicy:
         self.last_choice: SpecConfig | None = None    # the standing choice (meaningful once decided)
         self.last_estimate: dict[str, float] = {}     # each option's estimated speed over plain decoding
         # (accepted, predicted) drafted tokens, decayed sums per candidate label and per kind
-        self._accept_sums: dict[str, tuple[float, float]] = {}
+        # keyed by (sampled, label or kind): the positional model misses differently where
+        # the verify pass draws, as the acceptance it reads is kept apart by mode
+        self._accept_sums: dict[tuple[bool, str], tuple[float, float]] = {}
+        # the same per kind with a long memory (`long_keep`): what plain rounds bring the
+        # kind's calibration back to
+        self._long_sums: dict[tuple[bool, str], tuple[float, float]] = {}
         self._decided = False
         self._steady = 0        # decisions in a row that kept the choice
         # Rounds observed since the estimates were last needed, applied in order when they
@@ -150,6 +158,7 @@ class AdaptivePolicy:
         self._request_rows: dict[int, int] = {}
         self._spec_index = {spec: i for i, spec in enumerate(self.specs)}
         self._tokens = np.zeros(0)
+        self._drift = np.zeros(0)
         self._once = np.zeros(0)
         self._last_batch: tuple[int, ...] | None = None
         self._rounds_since = 0
@@ -158,6 +167,9 @@ class AdaptivePolicy:
         self._plain_batch: tuple[int, ...] | None = None
         self._plain_modes: list[int] = []
         self._plain_rounds = 0
+        # Plain rounds since a speculative round last measured acceptance: what the text
+        # may have become since then is unknown, more so the longer ago (`drift_noise`).
+        self._unmeasured = 0
 
     @property
     def costs(self) -> CostModel:
@@ -166,9 +178,9 @@ class AdaptivePolicy:
         return self._cost_model()
 
     @property
-    def accept_sums(self) -> dict[str, tuple[float, float]]:
-        """(accepted, predicted) drafted tokens, decayed sums per candidate label and per
-        kind, with every observed round applied."""
+    def accept_sums(self) -> dict[tuple[bool, str], tuple[float, float]]:
+        """(accepted, predicted) drafted tokens, decayed sums per (sampled, candidate label)
+        and per (sampled, kind), with every observed round applied."""
         self._settle()
         return self._accept_sums
 
@@ -307,8 +319,9 @@ class AdaptivePolicy:
         # Only a lead past the noise changes the choice (`lead_noise`): that much more to go.
         gap = value[best] - value + self.tuning.lead_noise * np.sqrt(
             own + own[best] + np.where(kinds != kinds[best], shared + shared[best], 0.0))     # [O]
-        # Another kind's round also tells what that kind shares (plain decoding's kind: nil).
-        var = own + np.where(kinds != kinds[best], shared, 0.0)
+        # Another kind's round also tells what that kind shares (plain decoding's kind: nil),
+        # and any speculative round what the text has become since the last one.
+        var = own + np.where(kinds != kinds[best], shared, 0.0) + self._drift
         s = np.sqrt(np.maximum(var - 1.0 / (1.0 / var + 1.0 / step), 0.0))
         tokens = float(self._tokens[best]) / B
         left = float(np.mean(remaining)) / tokens if remaining else float(self.tuning.explore_horizon)
@@ -344,6 +357,7 @@ class AdaptivePolicy:
         price, own, _ = self._cost_model().prices(options, B, context, sampled)           # [O] plain steps
         tokens, shared = np.full(len(options), float(B)), np.zeros(len(options))
         unpaid = np.zeros(len(options))       # a catch-up's part that the rounds left do not share
+        drift = np.zeros(len(options))
         step = np.full(len(options), self._cost_model().round_noise(B) ** 2)
         self._predicted = {}
         if specs:
@@ -358,7 +372,7 @@ class AdaptivePolicy:
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
             self._predicted = dict(zip(specs, emitted.tolist()))
             self._per_request, self._request_rows = per_request, {sid: i for i, sid in enumerate(seq_ids)}
-            calibration, own_tokens, kind_tokens = self._calibrations()       # [C]
+            calibration, own_tokens, kind_tokens = self._calibrations(sampled)       # [C]
             drafted = np.maximum(calibration * (emitted - B), 0.0)
             # Calibrated, an estimate may not pass what the round can emit either.
             tokens[k:] = np.minimum(B + drafted, most.sum(axis=0))
@@ -367,6 +381,12 @@ class AdaptivePolicy:
             weight = (drafted / tokens[k:]) ** 2
             own[k:] += weight / (1.0 / self.tuning.accept_spread ** 2 + own_tokens)
             shared[k:] = weight / kind_tokens
+            # What the text may have become since the last speculative round: a random walk
+            # of the tokens a request's round accepts, as a part of the estimated tokens
+            # (one for every shape). It is what a round would measure, so it makes
+            # exploring worth more; it is not noise in what was measured, so a lead need
+            # not pass it (`_decide`).
+            drift[k:] = self.tuning.drift_noise ** 2 * self._unmeasured / (tokens[k:] / B) ** 2
             step[k:] += weight / np.maximum(emitted - B, 0.5)
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
@@ -376,7 +396,7 @@ class AdaptivePolicy:
                 share = catch_up / np.maximum(1.0, left * B / tokens[k:])
                 price[k:] = price[k:] + share
                 unpaid[k:] = catch_up - share
-        self._tokens = tokens
+        self._tokens, self._drift = tokens, drift
         self._once = -np.log1p(unpaid / price)
         return options, np.log(tokens / B) - np.log(price), own, shared, step
 
@@ -418,8 +438,10 @@ class AdaptivePolicy:
             costs = self._cost_model()
             for spec, seq_ids, modes, context, seconds, verify, accepted, predicted in pending:
                 costs.observe(spec, len(seq_ids), seconds, verify, context, sampled=_samples(modes))
+                if accepted is not None:
+                    self._unmeasured = 0
                 if predicted is not None:
-                    self._calibrate(spec, accepted, predicted, len(seq_ids))
+                    self._calibrate(spec, accepted, predicted, len(seq_ids), _samples(modes))
 
     def _settle(self) -> None:
         """Everything observed applied: the pending rounds, then the plain rounds since."""
@@ -437,62 +459,78 @@ class AdaptivePolicy:
         return float(self._per_request[rows, c].sum())
 
     def _apply_plain(self) -> None:
-        """Apply the plain rounds seen since the last estimate: each request's acceptance
-        decays, the engine-wide acceptance drifts towards the prior and every calibration
-        towards level (by `plain_fade` a round), exactly as one round at a time would."""
+        """Apply the plain rounds seen since the last estimate, exactly as one round at a
+        time would: each request's own acceptance counts decay (towards the engine-wide
+        estimate, as in a speculative round), each kind's calibration returns towards its
+        long-run ratio and each shape's own evidence fades (by `plain_fade` a round), and
+        the rounds count as unmeasured. A plain round is no evidence that drafts would now
+        be accepted more, only time in which they might be: what a speculative round could
+        reveal widens instead (`_values`), so that exploring brings speculation back soon
+        after it lost narrowly and late after it lost by far."""
         if self._plain_rounds:
             batch, n = self._plain_batch, self._plain_rounds
-            self.acceptance.relax(list(batch), self._plain_modes, n, self.tuning.relax_rate)
-            self._fade_calibration(self.tuning.plain_fade ** n)
+            self.acceptance.relax(list(batch), self._plain_modes, n, rate=0.0)
+            self._fade_calibration(self.tuning.plain_fade ** n, long_run=True)
+            self._unmeasured += n
         self._plain_batch, self._plain_rounds = None, 0
 
-    def calibration(self, spec: SpecConfig) -> float:
+    def calibration(self, spec: SpecConfig, sampled: bool = False) -> float:
         """Observed / predicted drafted tokens accepted: the kind's (chain or tree) ratio of
         decayed sums that start level (`calibration_prior` tokens each), refined by this
         candidate's own evidence (`label_weight`). It absorbs what the positional model
         misses: EAGLE-2 picks each round's tree by that round's draft confidence, and
         acceptance at one depth is not independent of the next."""
         self._settle()
-        seen, predicted = self._accept_sums.get(_kind(spec), (1.0, 1.0))
+        seen, predicted = self._accept_sums.get((sampled, _kind(spec)), (1.0, 1.0))
         level = seen / predicted
-        own = self._accept_sums.get(spec_label(spec))
+        own = self._accept_sums.get((sampled, spec_label(spec)))
         if own is None:
             return level
         w = self.tuning.label_weight
         return (own[0] + w * level) / (own[1] + w)
 
-    def _calibrations(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _calibrations(self, sampled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every speculative candidate's `calibration` [C], the decayed predicted tokens
         of its own behind it [C] and of its kind's [C] (the prior's included)."""
         self._settle()
         prior = self.tuning.calibration_prior
-        levels = np.array([self._accept_sums.get(kind, (prior, prior)) for kind in KINDS])    # [2, 2]
-        own = np.array([self._accept_sums.get(label, (0.0, 0.0)) for label in self._labels])  # [C, 2]
+        levels = np.array([self._accept_sums.get((sampled, kind), (prior, prior)) for kind in KINDS])    # [2, 2]
+        own = np.array([self._accept_sums.get((sampled, label), (0.0, 0.0)) for label in self._labels])  # [C, 2]
         kind = levels[self._kinds]                                                          # [C, 2]
         w = self.tuning.label_weight
         calibration = (own[:, 0] + w * kind[:, 0] / kind[:, 1]) / (own[:, 1] + w)
         return calibration, own[:, 1], kind[:, 1]
 
-    def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int) -> None:
+    def _calibrate(self, spec: SpecConfig, observed: float, predicted: float, batch: int,
+                   sampled: bool = False) -> None:
         t = self.tuning
         keep = t.calibration_keep
         drafted_pred, drafted_seen = max(predicted - batch, 0.0), max(observed - batch, 0.0)
-        label, kind = spec_label(spec), _kind(spec)
-        self._fade_calibration(t.calibration_fade, skip=(label, kind))
+        label, kind = (sampled, spec_label(spec)), (sampled, _kind(spec))
+        self._fade_calibration(t.calibration_fade, skip=(label, kind), mode=sampled)
         seen, pred = self._accept_sums.get(label, (0.0, 0.0))
         self._accept_sums[label] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
         seen, pred = self._accept_sums.get(kind, (t.calibration_prior, t.calibration_prior))
         self._accept_sums[kind] = (keep * seen + drafted_seen, keep * pred + drafted_pred)
+        seen, pred = self._long_sums.get(kind, (t.calibration_prior, t.calibration_prior))
+        self._long_sums[kind] = (t.long_keep * seen + drafted_seen, t.long_keep * pred + drafted_pred)
 
-    def _fade_calibration(self, keep: float, skip: tuple[str, ...] = ()) -> None:
-        """Each kind's sums drift towards level by 1 - keep, and each shape's own evidence
-        fades by `keep`; those named in `skip` (the ones that just ran) excepted."""
+    def _fade_calibration(self, keep: float, skip: tuple = (), long_run: bool = False,
+                          mode: bool | None = None) -> None:
+        """Each kind's sums drift by 1 - keep towards level (`calibration_prior` tokens of
+        ratio 1), or with `long_run` towards its long-run ratio, and each shape's own
+        evidence fades by `keep`: of one mode (`mode`: sampled or not), or of both; those
+        named in `skip` (the ones that just ran) excepted."""
+        prior = self.tuning.calibration_prior
         for key, (seen, predicted) in self._accept_sums.items():
-            if key in skip:
+            if key in skip or (mode is not None and key[0] != mode):
                 continue
-            if key in KINDS:
-                prior = self.tuning.calibration_prior
-                self._accept_sums[key] = (keep * seen + (1 - keep) * prior, keep * predicted + (1 - keep) * prior)
+            if key[1] in KINDS:
+                level = 1.0
+                if long_run and key in self._long_sums:
+                    long_seen, long_predicted = self._long_sums[key]
+                    level = long_seen / long_predicted
+                self._accept_sums[key] = (keep * seen + (1 - keep) * prior * level, keep * predicted + (1 - keep) * prior)
             else:
                 self._accept_sums[key] = (keep * seen, keep * predicted)
 

@@ -13,10 +13,15 @@ from dataclasses import dataclass
 class Tuning:
     # -- reading the measured acceptance (calibration.AcceptanceModel, whose own prior and
     # memory the calibrated selection shares) -------------------------------------------------
-    # Per plain round, the engine-wide statistics drift this much back towards the prior,
-    # so a few unlucky rounds do not rule speculation out for good (higher: retried sooner,
-    # and every new request pays again for finding out that speculation loses on its text).
-    relax_rate: float = 0.005
+    # While plain rounds run, acceptance goes unmeasured and the text moves on: the tokens a
+    # request's speculative round would accept are taken to walk at random from what was
+    # last measured, one step of this standard deviation per plain round. That widens
+    # what exploring a speculative round could reveal (not the noise a lead must pass), so
+    # exploring retries speculation once it could have caught up: with nothing to catch
+    # up, within about 60 plain rounds after a narrow loss (0.9x) and 125 after a wide one
+    # (0.6x); a drafter catch-up to pay puts it off further. Higher retries sooner; every
+    # retry that finds the text unchanged pays a catch-up and a losing round.
+    drift_noise: float = 0.03
     # Estimated acceptance is never below this, so every path keeps a finite log-value.
     acceptance_floor: float = 1e-4
 
@@ -30,10 +35,16 @@ class Tuning:
     # the rounds that run are the ones whose estimates were high, so what they measure is
     # biased low, and a shape set low that way would otherwise never be measured again.
     calibration_fade: float = 0.98
-    # Per plain round, every calibration drifts this much of the way back towards level.
-    plain_fade: float = 0.97
     # How much of a candidate's accept evidence one of its rounds keeps.
     calibration_keep: float = 0.9
+    # The same for each kind's long-run ratio, which plain rounds bring its calibration
+    # back to, by `plain_fade` a round: the rounds just before plain decoding took over are
+    # biased low (their bad luck is why it took over), and the long run is not. Higher
+    # remembers further back; lower follows a change of workload sooner.
+    long_keep: float = 0.99
+    # Per plain round, each kind's calibration drifts this much of the way back towards
+    # its long-run ratio, and each shape's own evidence fades by as much.
+    plain_fade: float = 0.97
     # How far (log) a shape's accept calibration may lie from its kind's before its own
     # rounds say: higher makes untried shapes more worth exploring, and a shape's own
     # rounds count sooner.
@@ -55,11 +66,11 @@ class Tuning:
     # plain decoding holds, the period starts over.
     redecide_most: int = 16
     # The same while the standing choice is plain decoding. Plain rounds teach nothing of
-    # acceptance (the estimates move only by the drift back towards the prior and the
-    # growing context), so deciding as often only costs: a decision is 0.3-0.8 ms, 6-15%
+    # acceptance (the estimates only widen, `drift_noise`, and follow the growing
+    # context), so deciding as often only costs: a decision is 0.3-0.8 ms, 6-15%
     # of a compiled plain step at batch 4, and each exploring round it may ask for pays
     # the drafter's whole catch-up. Higher is cheaper where plain decoding wins, and
-    # slower back to speculation where that drift (or a change of text) makes it win.
+    # slower back to speculation where a change of text makes it win.
     redecide_most_plain: int = 64
     # A challenger replaces the standing choice once its estimated lead exceeds this many
     # standard deviations of the difference (the choice is the largest of many noisy
