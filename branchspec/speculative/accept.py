@@ -42,8 +42,11 @@ def accept(tokens: torch.Tensor, parents: torch.Tensor, ancestor: torch.Tensor, 
     if max_path_len is not None:
         accepted &= depth < max_path_len[:, None]
     path_len = accepted.sum(dim=1)                                              # [B]
-    # The accepted node at each depth (node 0, the root, past the path's end).
-    at_depth = accepted[:, None, :] & (depth[:, None, :] == torch.arange(D, device=tokens.device)[None, :, None])
-    path = at_depth.to(torch.int8).argmax(dim=2)                                # [B, D]
+    # The accepted node at each depth (node 0, the root, past the path's end): at most one
+    # node per depth is accepted, so a sum picks it. (Not an argmax over the depth's nodes:
+    # compiled for an AVX2 CPU, that argmax left the entries past the path's end unset.)
+    nodes = torch.arange(D, device=tokens.device)
+    at_depth = accepted[:, None, :] & (depth[:, None, :] == nodes[None, :, None])      # [B, depth, node]
+    path = (at_depth.to(torch.long) * nodes).sum(dim=2)                        # [B, D]
     last = path.gather(1, (path_len - 1)[:, None])                              # [B, 1]
     return Acceptance(path=path, path_len=path_len, keep=accepted, bonus=target.gather(1, last)[:, 0])
