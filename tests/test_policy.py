@@ -484,6 +484,40 @@ def test_speculation_that_lost_narrowly_is_retried_sooner_than_one_that_lost_by_
     assert first_retry(0.6, drift_noise=0.0, rounds=600) is None
 
 
+def test_speculation_retried_while_plain_decoding_holds_runs_on_while_it_measures_well():
+    """Speculation lost narrowly (0.9x plain decoding), then the text changed: its rounds
+    now accept one drafted token each (1.33x). The first retry after plain rounds measures
+    part of what the text became (one round is a noisy reading of a random walk, a Kalman
+    update, `_measured`), so it is decided on again at once and explored on, and the policy
+    switches to it with no plain round in between. Negative control: as if one round
+    measured the drift whole, the policy returns to plain decoding for another period."""
+    chain4 = SpecConfig.chain(4)
+
+    def rounds(one_round_measures_all: bool) -> str:
+        runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
+        runner.expected_accept = lambda ids, modes=None: np.full((len(ids), 1), 3.0)
+        set_prices(runner, {"none": 1.0, "chain D=4": 1.5}, noise=0.01)
+        for _ in range(600):                       # measured at 0.9x: 1.35 tokens a round for 1.5 steps
+            runner._calibrate(chain4, observed=1.35, predicted=3.0, batch=1)
+        if one_round_measures_all:
+            runner._measured = lambda spec: setattr(runner, "_unmeasured", 0.0)
+        picks = []
+        for _ in range(200):
+            spec = choose(runner, [5], remaining=[10_000])
+            picks.append("." if spec is None else "c")
+            if spec is None:
+                observe(runner, None, [5], 0.010)
+            else:
+                observe(runner, chain4, [5], 0.015, *chain_outcome(1, depth=3), [2])
+        return "".join(picks)
+
+    kalman, reset = rounds(False), rounds(True)
+    retry = kalman.index("c")
+    assert 0 < retry <= 64 and reset.index("c") == retry
+    assert kalman[retry:] == "c" * (len(kalman) - retry)
+    assert reset[retry + 1] == "."
+
+
 def test_greedy_and_sampled_rounds_calibrate_apart():
     """The positional model misses differently where the verify pass draws (as the
     acceptance it reads is kept apart by mode): greedy rounds calibrate greedy estimates
@@ -784,10 +818,13 @@ def test_calibration_is_measured_once_and_cached(trained_ckpt, tmp_path, monkeyp
     assert first.batches == calibration_batches(4) == (1, 4)
     # Every candidate's whole round priced against the plain steps beside it: a round
     # drafts, verifies D nodes and extends the drafter, so it costs more than a plain step,
-    # its verify forward less than the whole round.
+    # its verify forward less than the whole round. (Timed on a shared machine, one cell
+    # may read otherwise: the medians over the grid are compared.)
     assert first.keys == ("chain D=3", "none", "tree 2x2 D=4")
     rounds, verify = first.grids["round"], first.grids["verify"]
-    assert (rounds[:, [0, 2]] > 1.0).all() and (verify[:, [0, 2]] < rounds[:, [0, 2]]).all()
+    assert np.isfinite(rounds).all() and (rounds > 0).all()
+    assert np.median(rounds[:, [0, 2]]) > 1.0
+    assert np.median(verify[:, [0, 2]] / rounds[:, [0, 2]]) < 1.0
     assert (first.grids["catch_up"] > 0).all() and (first.plain > 0).all()
     monkeypatch.setattr(costs_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
     again = load_or_calibrate(executor, 4, candidates)
@@ -1207,12 +1244,14 @@ def test_speculation_must_beat_plain_decoding_by_more_than_its_noise():
         assert choose(runner, [1]) is None
         prices["chain D=3"] = math.exp(-lead)
         runner._last_batch = None
-        assert (choose(runner, [1]) == chain3) is switches, (noise, lead)
+        choose(runner, [1])                  # (a close one may be explored: what stands is the choice)
+        assert (runner.last_choice == chain3) is switches, (noise, lead)
 
 
 def test_exploring_is_for_close_candidates_whose_estimate_could_still_change_the_choice():
     """A candidate just behind the choice whose price is a guess is explored once in a
-    while, for one round, then the choice runs again; one far behind, or already measured
+    while (at once, when a decision asks for it), for one round, then the choice runs
+    again; one far behind, or already measured
     as well as the choice, is not; nor is anything when the batch has no rounds left to use
     what exploring would tell."""
     chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
@@ -1228,7 +1267,7 @@ def test_exploring_is_for_close_candidates_whose_estimate_could_still_change_the
                 for _ in range(rounds)]
 
     close = picks(own_noise=0.15, price=1.02)
-    assert close[0] == "chain D=3" and "chain D=4" in close
+    assert close.count("chain D=3") > close.count("chain D=4") > 0
     assert close.count("chain D=4") <= len(close) // TUNING.redecide_every      # at most once a decision
     assert all(a != "chain D=4" or b == "chain D=3" for a, b in zip(close, close[1:]))   # one round at a time
     assert "chain D=4" not in picks(own_noise=0.15, price=1.5)           # far behind
@@ -1254,7 +1293,7 @@ def test_an_exploring_round_pays_the_drafters_whole_catch_up():
         return [spec_label(choose(runner, [1], lag=[lag], remaining=[1000])) for _ in range(4 * TUNING.redecide_every)]
 
     followed, behind = picks(lag=0), picks(lag=16)
-    assert followed[0] == "none" and "chain D=4" in followed
+    assert "chain D=4" in followed
     assert set(behind) == {"none"}
 
 

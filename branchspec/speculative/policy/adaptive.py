@@ -23,8 +23,10 @@ factors are measured, not assumed:
   While plain rounds run, each kind's calibration returns to its long-run ratio (the
   rounds just before plain decoding took over are biased low), and what speculation
   would now accept goes unmeasured: what a round of it could reveal widens
-  (`drift_noise`), and exploring retries it once it could have caught up. So a few
-  unlucky rounds do not rule speculation out for good.
+  (`drift_noise`), and exploring retries it once it could have caught up. A retried
+  round measures part of that (a Kalman update: a noisy sampled round little), so
+  exploring goes on, round after round, while it is still worth it. So a few unlucky
+  rounds do not rule speculation out for good, nor does one unlucky retry.
 * **Round price** (`costs.CostModel.prices`): a candidate's forwards over the plain step's,
   timed side by side at start-up through the execution path the engine runs, corrected by
   its measured rounds, each read against the target forward inside it, so that the
@@ -38,7 +40,8 @@ decisions keep the choice):
 * the standing choice stays unless a challenger's estimated lead exceeds `lead_noise`
   standard deviations of the difference: the best of many noisy estimates is biased high,
   and near-ties are noise (plain decoding is one more option, judged the same way);
-* one round of another candidate is explored, at most once a decision period, when what
+* one round of another candidate is explored (while plain decoding holds, decided on
+  again right after; else at most once a decision period) when what
   it could gain exceeds what it loses: the expected improvement over the choice that one
   more round of evidence could reveal (the knowledge gradient of a normal estimate), times
   the rounds the batch has left to use it (at most `explore_horizon`), against the value
@@ -153,6 +156,7 @@ class AdaptivePolicy:
         # CPU's caches, so one pass over a few rounds costs about what one round did.
         self._pending: list[tuple] = []
         self._explore = _NOTHING                      # an option to run once, before the choice again
+        self._explored = False                        # the last round explored: decide again first
         self._predicted: dict[SpecConfig, float] = {}   # positional model's tokens a round, at the last decision
         self._per_request = np.zeros((0, len(self.specs)))    # [B, C] the same, per request of that batch
         self._request_rows: dict[int, int] = {}
@@ -169,7 +173,12 @@ class AdaptivePolicy:
         self._plain_rounds = 0
         # Plain rounds since a speculative round last measured acceptance: what the text
         # may have become since then is unknown, more so the longer ago (`drift_noise`).
-        self._unmeasured = 0
+        # A learnt round measures part of it (`_measured`); a real number of rounds' worth.
+        self._unmeasured = 0.0
+        # per speculative candidate, at the last decision: the drift variance (of its log
+        # value) one unmeasured round adds, and what one of its rounds measures it with
+        self._drift_rate: dict[SpecConfig, float] = {}
+        self._round_var: dict[SpecConfig, float] = {}
 
     @property
     def costs(self) -> CostModel:
@@ -231,25 +240,31 @@ class AdaptivePolicy:
         The estimates are recomputed every `redecide_every` rounds (more at large
         batches; up to `redecide_most` while the choice holds, `redecide_most_plain`
         while plain decoding does), or at once when the batch
-        changed; in between the choice stands, but for the one exploring round a decision
-        may ask for, run right after it."""
+        changed, or right after a round that explored; in between the choice stands. A
+        decision that asks for an exploring round gets it at once."""
         seq_ids, t = batch.seq_ids, self.tuning
         key = tuple(seq_ids)
         every = max(t.redecide_every, len(seq_ids) // t.redecide_per_requests)
         most = t.redecide_most_plain if self._decided and self.last_choice is None else t.redecide_most
         every = min(every << self._steady, max(every, most))
         changed = self._must_decide(key)
-        if changed or self._rounds_since >= every - 1:
+        if changed or self._explored or self._rounds_since >= every - 1:
             self._decide_now(batch, changed)
-            run = self.last_choice
         else:
-            t0 = time.perf_counter()
             self._rounds_since += 1
-            run = self.last_choice
-            if self._explore is not _NOTHING:
-                run, self._explore = self._explore, _NOTHING
-            self.decide_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run = self.last_choice
+        if self._explore is not _NOTHING:
+            # Explored at once (right after the decision that asked for it, or the admission's).
+            # Speculation explored while plain decoding holds is decided on again right
+            # after: one round tells a sampled batch little, the drafter's catch-up is paid,
+            # and while it is still worth it the next round explores on without paying it
+            # again. (Shapes explored while another stands share its kind's acceptance: one
+            # round a period tells most of what they would.)
+            run, self._explore = self._explore, _NOTHING
+            self._explored = self.last_choice is None
         self.counts[spec_label(run)] += 1
+        self.decide_seconds += time.perf_counter() - t0
         return run
 
     def _decide_now(self, batch: BatchView, changed: bool) -> None:
@@ -261,7 +276,7 @@ class AdaptivePolicy:
         self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
         t0 = time.perf_counter()
         self._decide(batch)
-        self._last_batch, self._rounds_since = tuple(batch.seq_ids), 0
+        self._last_batch, self._rounds_since, self._explored = tuple(batch.seq_ids), 0, False
         if changed and self.last_choice is not None:
             self._steady = 0
         self.decide_seconds += time.perf_counter() - t0
@@ -386,8 +401,10 @@ class AdaptivePolicy:
             # (one for every shape). It is what a round would measure, so it makes
             # exploring worth more; it is not noise in what was measured, so a lead need
             # not pass it (`_decide`).
-            drift[k:] = self.tuning.drift_noise ** 2 * self._unmeasured / (tokens[k:] / B) ** 2
+            rate = self.tuning.drift_noise ** 2 / (tokens[k:] / B) ** 2
+            drift[k:] = rate * self._unmeasured
             step[k:] += weight / np.maximum(emitted - B, 0.5)
+            self._drift_rate, self._round_var = dict(zip(specs, rate.tolist())), dict(zip(specs, step[k:].tolist()))
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
@@ -439,9 +456,22 @@ class AdaptivePolicy:
             for spec, seq_ids, modes, context, seconds, verify, accepted, predicted in pending:
                 costs.observe(spec, len(seq_ids), seconds, verify, context, sampled=_samples(modes))
                 if accepted is not None:
-                    self._unmeasured = 0
+                    self._measured(spec)
                 if predicted is not None:
                     self._calibrate(spec, accepted, predicted, len(seq_ids), _samples(modes))
+
+    def _measured(self, spec: SpecConfig) -> None:
+        """A learnt round of `spec` measured what the text became while plain rounds ran,
+        as one noisy reading measures a random walk's position: the unmeasured variance d
+        left is d * v / (d + v), v that of the round's own reading (a Kalman update). One
+        greedy round at batch 16 all but settles it; one sampled round at batch 1, whose
+        accept length varies widely, leaves most of it."""
+        rate, var = self._drift_rate.get(spec), self._round_var.get(spec)
+        if rate is None or var is None or self._unmeasured <= 0:
+            self._unmeasured = 0.0
+            return
+        drift = rate * self._unmeasured
+        self._unmeasured *= var / (drift + var)
 
     def _settle(self) -> None:
         """Everything observed applied: the pending rounds, then the plain rounds since."""

@@ -19,8 +19,10 @@ class Tuning:
     # what exploring a speculative round could reveal (not the noise a lead must pass), so
     # exploring retries speculation once it could have caught up: with nothing to catch
     # up, within about 60 plain rounds after a narrow loss (0.9x) and 125 after a wide one
-    # (0.6x); a drafter catch-up to pay puts it off further. Higher retries sooner; every
-    # retry that finds the text unchanged pays a catch-up and a losing round.
+    # (0.6x); a drafter catch-up to pay puts it off further. A retried round measures
+    # only part of that walk (as much as its own noise allows), so a noisy sampled round
+    # is followed by another while exploring is still worth it. Higher retries sooner;
+    # every retry that finds the text unchanged pays a catch-up and a losing round.
     drift_noise: float = 0.03
     # Estimated acceptance is never below this, so every path keeps a finite log-value.
     acceptance_floor: float = 1e-4
