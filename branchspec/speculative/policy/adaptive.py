@@ -155,8 +155,8 @@ class AdaptivePolicy:
         # are (`_settle`): right after a forward the policy's code and data are out of the
         # CPU's caches, so one pass over a few rounds costs about what one round did.
         self._pending: list[tuple] = []
-        self._explore = _NOTHING                      # an option to run once, before the choice again
-        self._explored = False                        # the last round explored: decide again first
+        self._explore = _NOTHING                      # an option a decision asked to run once, at once
+        self._explored = False                        # it ran while plain decoding stood: decide again next
         self._predicted: dict[SpecConfig, float] = {}   # positional model's tokens a round, at the last decision
         self._per_request = np.zeros((0, len(self.specs)))    # [B, C] the same, per request of that batch
         self._request_rows: dict[int, int] = {}
