@@ -13,6 +13,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 # replace the downloader instead.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# Under pytest-xdist (pyproject's addopts) the workers share the machine's cores: each takes
+# its share for torch's threads, and the processes its tests start inherit it (OpenMP
+# threads oversubscribed spin against each other). Tests of thread settings set their own.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, torch.get_num_threads() // _WORKERS)
+    torch.set_num_threads(_SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
+
 from branchspec.config import tiny_config, tiny_v4_config  # noqa: E402
 from branchspec.checkpoint import save_checkpoint  # noqa: E402
 from branchspec.data.workloads import MBPP_ENV_VAR  # noqa: E402
