@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from branchspec.atomic import write_text
 from branchspec.config import SpecConfig, check_device
 from branchspec.config.model import v4_flash_slice_config
 
@@ -315,9 +316,7 @@ def to_json(plan: RegimePlan, measured: RegimeCosts, projection: dict | None, se
 
 
 def write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(payload, indent=1) + "\n")
 
 
 def run(plan: RegimePlan, out_dir: str | Path, studies: dict[str, dict] | None = None, plots: bool = True,

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
+from branchspec.atomic import write_atomically
 from branchspec.cache.paged import AddressInputs, BlockTables
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.arguments import Pools, Shared, batched_tensors, found, map_batch, signature
@@ -429,9 +430,8 @@ class CompiledStep:
             elif use_cache:
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_suffix(".tmp")
-                    step.save_compiled_function(str(tmp))
-                    tmp.replace(path)
+                    # (under a name of this process's own: another one may be saving the same step)
+                    write_atomically(path, lambda tmp: step.save_compiled_function(str(tmp)))
                 except Exception:   # noqa: BLE001 - an unwritable cache only costs the next start
                     pass
         self.steps[(cls, state)] = step

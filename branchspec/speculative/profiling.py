@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from branchspec.atomic import write_text
 from branchspec.config import SpecConfig, spec_label
 from branchspec.disk_cache import cache_dir, source_digest
 from branchspec.execution.threads import one_row_products
@@ -353,9 +354,7 @@ def load_or_calibrate(executor, max_batch_size: int, candidates: tuple[SpecConfi
     costs = calibrate(executor, max_batch_size, candidates, progress=progress, vocab=vocab)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(costs.to_dict()))
-        tmp.replace(path)
+        write_text(path, json.dumps(costs.to_dict()))
     except OSError:
         pass
     return costs
