@@ -570,7 +570,7 @@ def test_plain_rounds_applied_together_equal_one_at_a_time():
     for batch, rounds in (([5, 6], 7), ([5], 3)):
         for _ in range(rounds):
             observe(lazy, None, batch, 0.010)
-            eager.acceptance.relax(batch, [GREEDY] * len(batch), 1, rate=0.0)
+            eager.acceptance.relax(batch, 1)
             eager._fade_calibration(TUNING.plain_fade, long_run=True)
             eager._unmeasured += 1
     assert lazy.calibration(chain4) == pytest.approx(eager.calibration(chain4), rel=1e-12)

@@ -173,13 +173,14 @@ class AcceptanceModel:
         # takes them, or (ids, modes, the round's own tensors) from `observe_round`
         self._pending: list[tuple] = []
         self._factors: tuple | None = None   # (key, log factors) the selection read last
+        self._wide: dict[tuple[int, int], np.ndarray] = {}   # (depth, ranks) -> [modes, 2, depth, ranks]
 
     @property
     def global_counts(self) -> torch.Tensor:
         """[modes, 3, 2, MAX_DEPTH, R, buckets] the engine-wide counts (hits, mass, tries),
-        every round seen learnt; writing into them is seen by the next read."""
+        every round seen learnt; writing into them at once is seen by the next read."""
         self._learn_pending()
-        self._factors = None
+        self._changed()
         return self._global
 
     @property
@@ -228,11 +229,16 @@ class AcceptanceModel:
             self._pending.clear()
             self._global.copy_(saved[0])      # in place: `global_counts` hands out this tensor
             self._tables, self._scale, self._rows, self._free = saved[1:]
-            self._factors = None
+            self._changed()
+
+    def _changed(self) -> None:
+        """The counts changed: what was read from them is read again."""
+        self._factors = None
+        self._wide.clear()
 
     def forget(self, seq_id: int) -> None:
         self._learn_pending()
-        self._factors = None
+        self._changed()
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self._tables[row] = 0.0
@@ -280,18 +286,35 @@ class AcceptanceModel:
         off it (the first `depth` depths and `ranks` ranks; all by default): each
         request's own hits / tries shrunk towards the engine-wide ratio with
         `prior_weight` tries, never below `floor`."""
+        return torch.from_numpy(self.acceptance_array(seq_ids, modes, floor, depth, ranks))
+
+    def acceptance_array(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4,
+                         depth: int = MAX_DEPTH, ranks: int | None = None) -> np.ndarray:
+        """`acceptance` as a numpy array: what the adaptive policy reads at every decision
+        (a few small numpy operations; the engine-wide part is kept until the counts
+        change)."""
         self._learn_pending()
         ranks = ranks or self.R
         rows = self._lookup(seq_ids)
-        t = np.array([HITS, TRIES])
-        own = self._tables.numpy()[:, :, :, :depth, :ranks][rows[:, None], t].sum(axis=-1)  # [B, 2, 2, depth, ranks]
+        own = self._tables.numpy()[:, HITS::TRIES - HITS, :, :depth, :ranks][rows].sum(axis=-1)  # [B, 2, 2, depth, ranks]
         # the engine-wide ratio once per mode (one mode, most batches), not once per request
         mode = modes[0] if modes.count(modes[0]) == len(modes) else np.asarray(modes, dtype=np.int64)
-        wide = self._global.numpy()[:, t] + 1e-3 * self.prior.numpy()[t]
-        wide = wide[..., :depth, :ranks, :].sum(axis=-1)                         # [modes, 2, 2, depth, ranks]
-        g = (wide[:, 0] / wide[:, 1])[mode]                                      # [(B,) 2, depth, ranks]
+        g = self._wide_ratio(depth, ranks)[mode]                                 # [(B,) 2, depth, ranks]
         w = self.prior_weight / self._scale.numpy()[rows].reshape(-1, 1, 1, 1)
-        return torch.from_numpy(np.clip((own[:, 0] + w * g) / (own[:, 1] + w), floor, 1.0))
+        ratio = own[:, 0] + w * g
+        ratio /= own[:, 1] + w
+        return ratio.clip(floor, 1.0, out=ratio)
+
+    def _wide_ratio(self, depth: int, ranks: int) -> np.ndarray:
+        """[modes, 2, depth, ranks] the engine-wide hits / tries of each mode (a thousandth
+        of the prior's mass added: never 0 / 0, however long a cell went unseen)."""
+        ratio = self._wide.get((depth, ranks))
+        if ratio is None:
+            t = slice(HITS, TRIES + 1, TRIES - HITS)
+            wide = (self._global.numpy()[:, t, :, :depth, :ranks] + 1e-3 * self.prior.numpy()[t, :, :depth, :ranks])
+            wide = wide.sum(axis=-1)                                             # [modes, 2, 2, depth, ranks]
+            ratio = self._wide[(depth, ranks)] = wide[:, 0] / wide[:, 1]
+        return ratio
 
     def bucket(self, prob: torch.Tensor) -> torch.Tensor:
         """The probability bucket of each drafter probability (same shape)."""
@@ -345,7 +368,7 @@ class AcceptanceModel:
             return
         pending, self._pending = self._pending, []
         self._learn_rounds([(r[0], r[1], *_along_path(*r[2])) if isinstance(r[2], tuple) else r for r in pending])
-        self._factors = None
+        self._changed()
 
     def _round_cells(self, children: np.ndarray, children_logp: np.ndarray, targets: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -417,15 +440,12 @@ class AcceptanceModel:
         np.add.at(wide.reshape(-1), mode.reshape(1, -1, 1) * block + where,
                   amount * np.concatenate([later[i, m] for i, m in enumerate(modes)]).reshape(1, -1, 1))
 
-    def relax(self, seq_ids: list[int], modes: list[int], rounds: int, rate: float) -> None:
+    def relax(self, seq_ids: list[int], rounds: int) -> None:
         """`rounds` rounds without drafts over these requests: each one's own counts decay
-        as in a speculative round (its estimate returns towards the engine-wide one), and
-        the engine-wide counts of their modes drift back towards the prior by `rate` a
-        round, so a few unlucky rounds do not rule speculation out for good."""
+        as in a speculative round, so its estimate returns towards the engine-wide one (a
+        few unlucky rounds of its own do not rule speculation out for it for good). The
+        engine-wide counts keep what they measured: plain rounds measure nothing."""
         self._learn_pending()
-        self._factors = None
+        self._changed()
         rows = self._lookup(seq_ids)
         self._scale.numpy()[rows[rows > 0]] *= self.decay ** rounds
-        drift = (1.0 - rate) ** rounds
-        for m in set(modes):
-            self._global[m] = drift * self._global[m] + (1.0 - drift) * self.prior

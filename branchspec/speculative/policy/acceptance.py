@@ -20,6 +20,9 @@ from branchspec.config import SpecConfig
 # A parent on the drafter's main line (every node above it its parent's first proposal:
 # the chain), or off it: after the drafter was wrong once, its proposals are right less often.
 MAIN, OFF = 0, 1
+# Node sets of up to this many nodes share one block (`ExpectedAccept`): the default
+# candidates' (chains, trees of up to 62 nodes) are then one partition and one sort.
+SHARED_WIDTH = 64
 
 
 def candidate_paths(spec: SpecConfig) -> list[tuple[tuple[int, int], ...]]:
@@ -36,12 +39,11 @@ def candidate_paths(spec: SpecConfig) -> list[tuple[tuple[int, int], ...]]:
 class ExpectedAccept:
     """The expected accept length of every candidate, for a batch's acceptance at once.
 
-    Every node any candidate could verify is enumerated once, shallowest first: its edge's
-    column in the flattened [2 * depth * R] acceptance (depth and R: the candidates' most
-    steps and largest topk) and its parent, so that a node's value is its parent's times
-    its edge's, one depth at a time; and which candidates may use each node. Gathers and
-    products, not a matrix product: numpy's BLAS threads would spin on the cores the
-    model's forwards run on.
+    Every node any candidate could verify is enumerated once, with its path's edges as
+    columns of the flattened [2 * depth * R] acceptance (depth and R: the candidates' most
+    steps and largest topk), so that a node's value is the product of what one gather
+    reads; and which candidates may use each node. Gathers and products, not a matrix
+    product: numpy's BLAS threads would spin on the cores the model's forwards run on.
     """
 
     def __init__(self, specs: tuple[SpecConfig, ...], max_rank: int):
@@ -50,33 +52,33 @@ class ExpectedAccept:
         self.depth = max((c.num_steps for c in specs), default=1)
         self.R = min(max((c.topk for c in specs), default=1), max_rank)
         members = [candidate_paths(spec) for spec in specs]
-        # Every node once, shallowest first, so that each depth's nodes are one slice of a
-        # row and a node's value is its parent's (found earlier) times its edge's.
         every = sorted({path for m in members for path in m}, key=lambda p: (len(p), p))
         paths = {path: i for i, path in enumerate(every)}
         members = [[paths[path] for path in m] for m in members]
         self.num_nodes = N = len(every)
-        root = N + 1                                        # the value row's columns: N padding, N + 1 the root
-        edge = np.empty(N, dtype=np.intp)                   # [N] each node's column in the acceptance
-        parent = np.empty(N, dtype=np.intp)                 # [N] its parent node
+        # A node's value is the product of its edges' acceptance: the acceptance row gets
+        # two more columns, a 1 (no edge: a path shorter than the deepest) and a 0 (the
+        # padding node N, of value 0), and each node lists its path's columns [N + 1, depth].
+        one, zero = 2 * self.depth * self.R, 2 * self.depth * self.R + 1
+        columns = np.full((N + 1, self.depth), one, dtype=np.intp)
+        columns[N, 0] = zero
+        self.columns = columns
         for i, path in enumerate(every):
-            line = OFF if any(rank for _, rank in path[:-1]) else MAIN
-            depth, rank = path[-1]
-            edge[i] = (line * self.depth + depth) * self.R + min(rank, self.R - 1)
-            parent[i] = paths[path[:-1]] if len(path) > 1 else root
-        # one (slice, parents, edges) per depth: where the path length steps up
-        bounds = [0, *(np.flatnonzero(np.diff([len(p) for p in every])) + 1).tolist(), N]
-        self.levels = [(slice(a, b), parent[a:b], edge[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+            line = MAIN
+            for step, (depth, rank) in enumerate(path):
+                columns[i, step] = (line * self.depth + depth) * self.R + min(rank, self.R - 1)
+                line = OFF if rank else line
         # Candidates that differ only in D draw from the same nodes (those within their
-        # depth and branching): one row of node columns per distinct node set. Sets of
-        # like size share a [S, n] block, padded with N (a node of value 0), so the
+        # depth and branching): one row of node indices per distinct node set. Sets of
+        # like size share a [S, n] block, padded with N (a node of value 0): those of up to
+        # `SHARED_WIDTH` nodes one block (every call is one more numpy call), so that the
         # few wide sets (a 7x2 tree has 254 nodes) do not widen the chains' and small trees'.
         sets: dict[tuple[int, ...], int] = {}
         member_set = [sets.setdefault(tuple(m), len(sets)) for m in members]
         self.keep = max((c.num_draft_tokens - 1 for c in specs), default=1)   # the most nodes a candidate keeps
         blocks: dict[int, list[tuple[int, ...]]] = {}
         for nodes in sets:
-            width = self.keep if len(nodes) <= self.keep else 4 ** math.ceil(math.log(len(nodes), 4))
+            width = max(SHARED_WIDTH, 4 ** math.ceil(math.log(len(nodes), 4)))
             blocks.setdefault(width, []).append(nodes)
         self.blocks: list[_Block] = []
         for block in blocks.values():
@@ -97,23 +99,24 @@ class ExpectedAccept:
         best D-1 node values. A node's value is at most its parent's, so the best D-1
         always form a tree.
 
-        In float32, block by block, and only the best `keep` of a set ordered (a partition
-        first): at batch 64 one full float64 sort of every set padded to the widest took
-        4 ms, this a fraction of a millisecond (AMD EPYC)."""
+        In float32: every node's value one gather and one product, then block by block
+        only the best `keep` of a set ordered (a partition first). A decision runs this
+        right after a round's forwards, when every numpy call costs several times its warm
+        cost, so the calls are few (at batch 64 one full float64 sort of every set padded
+        to the widest took 4 ms, this a fraction of a millisecond; AMD EPYC)."""
         B = acceptance.shape[0]
-        q = acceptance.reshape(B, -1).astype(np.float32)                     # [B, 2 * depth * R]
-        values = np.empty((B, self.num_nodes + 2), np.float32)                # [B, N + 2]
-        values[:, -2:] = (0.0, 1.0)                                          # [N]: padding, [N + 1]: the root
-        for nodes, parent, edge in self.levels:                              # one depth at a time
-            values[:, nodes] = values[:, parent] * q[:, edge]
+        q = np.empty((B, 2 * self.depth * self.R + 2), np.float32)          # [B, 2 * depth * R + 2]
+        q[:, :-2] = acceptance.reshape(B, -1)
+        q[:, -2:] = (1.0, 0.0)                                               # no edge; the padding node
+        values = -q[:, self.columns].prod(axis=2)                           # [B, N + 1], negated
         out = np.empty((B, len(self.specs)))
         for block in self.blocks:
-            negated = -values[:, block.nodes]                                 # [B, S, n]
+            negated = values[:, block.nodes]                                  # [B, S, n]
             if self.keep < negated.shape[2]:
                 negated = np.partition(negated, self.keep - 1, axis=2)[..., :self.keep]
             negated.sort(axis=2)                                              # [B, S, <= keep] best first
-            best = np.cumsum(-negated, axis=2, dtype=np.float64)
-            out[:, block.candidates] = 1.0 + best[:, block.rows, block.keep_at]
+            best = np.cumsum(negated, axis=2, dtype=np.float64)
+            out[:, block.candidates] = 1.0 - best[:, block.rows, block.keep_at]
         return out
 
 

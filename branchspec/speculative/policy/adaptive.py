@@ -99,7 +99,12 @@ def _option_kind(option: SpecConfig | None) -> str:
     return "none" if option is None else _kind(option)
 
 
-def _difference_var(own: np.ndarray, shared: np.ndarray, kinds: list[str], i: int, j: int) -> float:
+def _mean(values: list[int]) -> float:
+    """A short list's mean (numpy's costs several microseconds a call)."""
+    return sum(values) / len(values)
+
+
+def _difference_var(own: np.ndarray, shared: np.ndarray, kinds: np.ndarray, i: int, j: int) -> float:
     """Variance of the difference of two options' log estimates: their own parts, and
     their kinds' shared parts unless the kind is the same (then it cancels)."""
     var = own[i] + own[j]
@@ -136,7 +141,8 @@ class AdaptivePolicy:
         self._kinds = np.array([KINDS.index(_kind(s)) for s in self.specs], dtype=np.intp)
         self._options: tuple[SpecConfig | None, ...] = (
             ((None,) if None in policy.candidates else ()) + tuple(self.specs))
-        self._option_kinds = np.array([_option_kind(o) for o in self._options])
+        # [O] each option's kind as a code (comparing codes costs less than strings)
+        self._option_kinds = np.array([("none", *KINDS).index(_option_kind(o)) for o in self._options])
         self._option_labels = [spec_label(o) for o in self._options]
         self.counts: Counter[str] = Counter()        # rounds per configuration label
         self.decide_seconds = 0.0
@@ -169,7 +175,6 @@ class AdaptivePolicy:
         # Plain rounds over one batch not yet applied to the statistics: they only make
         # estimates drift, so they are applied together when an estimate is next needed.
         self._plain_batch: tuple[int, ...] | None = None
-        self._plain_modes: list[int] = []
         self._plain_rounds = 0
         # Plain rounds since a speculative round last measured acceptance: what the text
         # may have become since then is unknown, more so the longer ago (`drift_noise`).
@@ -211,9 +216,9 @@ class AdaptivePolicy:
         """[B, C] each speculative candidate's expected tokens per round for each request
         (greedy ones where `modes` is None), before calibration."""
         modes = modes if modes is not None else [GREEDY] * len(seq_ids)
-        q = self.acceptance.acceptance(seq_ids, modes, self.tuning.acceptance_floor, self.expected.depth,
-                                       self.expected.R)
-        return self.expected(q.numpy())
+        q = self.acceptance.acceptance_array(seq_ids, modes, self.tuning.acceptance_floor, self.expected.depth,
+                                             self.expected.R)
+        return self.expected(q)
 
     def defer_drafter(self, batch: BatchView) -> bool:
         """At admission, over the running batch with the new prompts as lag: the drafter's
@@ -301,7 +306,7 @@ class AdaptivePolicy:
                                                          batch.modes)
         self.last_estimate = dict(zip(self._option_labels, np.exp(value).tolist()))
         kinds = self._option_kinds
-        best = int(np.argmax(value))
+        best = int(value.argmax())
         if self._decided and self.last_choice in options:
             standing = options.index(self.last_choice)
             if value[best] - value[standing] <= self.tuning.lead_noise * math.sqrt(
@@ -318,7 +323,7 @@ class AdaptivePolicy:
         self.last_choice, self._decided = options[best], True
 
     def _worth_exploring(self, options: list, value: np.ndarray, own: np.ndarray, shared: np.ndarray,
-                         step: np.ndarray, kinds: list[str], best: int, remaining: list[int] | None, B: int):
+                         step: np.ndarray, kinds: np.ndarray, best: int, remaining: list[int] | None, B: int):
         """The option one round of which is worth most beyond what it costs, or _NOTHING.
 
         One more round of option j would shrink the variance of its own part (`own`, what
@@ -331,26 +336,26 @@ class AdaptivePolicy:
         not follow pays that whole catch-up (about one plain step at batch 1 compiled): in
         a cell where plain decoding and speculation are level, that is what exploring
         costs."""
+        other = kinds != kinds[best]                                                        # [O]
         # Only a lead past the noise changes the choice (`lead_noise`): that much more to go.
-        gap = value[best] - value + self.tuning.lead_noise * np.sqrt(
-            own + own[best] + np.where(kinds != kinds[best], shared + shared[best], 0.0))     # [O]
+        gap = value[best] - value + self.tuning.lead_noise * np.sqrt(own + own[best] + other * (shared + shared[best]))
         # Another kind's round also tells what that kind shares (plain decoding's kind: nil),
         # and any speculative round what the text has become since the last one.
-        var = own + np.where(kinds != kinds[best], shared, 0.0) + self._drift
-        s = np.sqrt(np.maximum(var - 1.0 / (1.0 / var + 1.0 / step), 0.0))
+        var = own + other * shared + self._drift
+        s = np.sqrt(var * var / (var + step))         # v - 1 / (1 / v + 1 / step), and 0 at v = 0
         tokens = float(self._tokens[best]) / B
-        left = float(np.mean(remaining)) / tokens if remaining else float(self.tuning.explore_horizon)
+        left = _mean(remaining) / tokens if remaining else float(self.tuning.explore_horizon)
         horizon = min(float(self.tuning.explore_horizon), max(left - 1.0, 0.0))
         if horizon <= 0:
             return _NOTHING
         worth = np.full(len(options), -np.inf)
-        for j in np.flatnonzero(gap < 4.0 * s):      # further behind, the gain is nil
+        for j in (gap < 4.0 * s).nonzero()[0]:      # further behind, the gain is nil
             if j == best:
                 continue
             z = -gap[j] / s[j]
             gain = s[j] * (_normal_pdf(z) + z * _normal_cdf(z))
             worth[j] = horizon * gain - (1.0 - math.exp(value[j] + self._once[j] - value[best]))
-        j = int(np.argmax(worth))
+        j = int(worth.argmax())
         return options[j] if worth[j] > 0 else _NOTHING
 
     def _values(self, seq_ids: list[int], lag: list[int] | None, remaining: list[int] | None,
@@ -379,21 +384,22 @@ class AdaptivePolicy:
             k = len(options) - len(specs)
             per_request = self.expected_accept(seq_ids, modes)                # [B, C]
             # A round emits at most its deepest path plus the bonus, and never more than a
-            # request has left: the most each request can emit [B, C].
-            most = np.broadcast_to(self._longest_path, per_request.shape)
+            # request has left: the most each request can emit ([B, C], or [C] for every one).
+            most = self._longest_path
             if remaining:
                 most = np.minimum(most, np.maximum(np.asarray(remaining, float), 1.0)[:, None])
             per_request = np.minimum(per_request, most)
+            most = most.sum(axis=0) if most.ndim == 2 else B * most          # [C] over the batch
             emitted = per_request.sum(axis=0)                                # [C], the model's own estimate
             self._predicted = dict(zip(specs, emitted.tolist()))
             self._per_request, self._request_rows = per_request, {sid: i for i, sid in enumerate(seq_ids)}
             calibration, own_tokens, kind_tokens = self._calibrations(sampled)       # [C]
             drafted = np.maximum(calibration * (emitted - B), 0.0)
             # Calibrated, an estimate may not pass what the round can emit either.
-            tokens[k:] = np.minimum(B + drafted, most.sum(axis=0))
+            spec_tokens = tokens[k:] = np.minimum(B + drafted, most)                 # [C]
             # The calibration's relative variance: a count of the tokens behind it, its own
             # departure from its kind's starting within `accept_spread`.
-            weight = (drafted / tokens[k:]) ** 2
+            weight = (drafted / spec_tokens) ** 2
             own[k:] += weight / (1.0 / self.tuning.accept_spread ** 2 + own_tokens)
             shared[k:] = weight / kind_tokens
             # What the text may have become since the last speculative round: a random walk
@@ -401,16 +407,16 @@ class AdaptivePolicy:
             # (one for every shape). It is what a round would measure, so it makes
             # exploring worth more; it is not noise in what was measured, so a lead need
             # not pass it (`_decide`).
-            rate = self.tuning.drift_noise ** 2 / (tokens[k:] / B) ** 2
+            rate = self.tuning.drift_noise ** 2 / (spec_tokens / B) ** 2
             drift[k:] = rate * self._unmeasured
             step[k:] += weight / np.maximum(emitted - B, 0.5)
             self._drift_rate, self._round_var = dict(zip(specs, rate.tolist())), dict(zip(specs, step[k:].tolist()))
             # Speculating now first feeds the drafter what it has not followed (a deferred
             # prompt, plain rounds): paid once, so spread over the rounds the batch has left.
             if lag and max(lag) > 0:
-                left = float(np.mean(remaining)) if remaining else 0.0
+                left = _mean(remaining) if remaining else 0.0
                 catch_up = self._cost_model().catch_up_steps(B, max(lag), context, sampled)
-                share = catch_up / np.maximum(1.0, left * B / tokens[k:])
+                share = catch_up / np.maximum(1.0, left * B / spec_tokens)
                 price[k:] = price[k:] + share
                 unpaid[k:] = catch_up - share
         self._tokens, self._drift = tokens, drift
@@ -435,7 +441,7 @@ class AdaptivePolicy:
             key = tuple(seq_ids)
             if key != self._plain_batch:
                 self._settle()
-                self._plain_batch, self._plain_modes = key, list(batch.modes or [GREEDY] * len(key))
+                self._plain_batch = key
             self._plain_rounds += 1
         elif result.learnt:
             if self._plain_rounds:
@@ -499,7 +505,7 @@ class AdaptivePolicy:
         after it lost narrowly and late after it lost by far."""
         if self._plain_rounds:
             batch, n = self._plain_batch, self._plain_rounds
-            self.acceptance.relax(list(batch), self._plain_modes, n, rate=0.0)
+            self.acceptance.relax(list(batch), n)
             self._fade_calibration(self.tuning.plain_fade ** n, long_run=True)
             self._unmeasured += n
         self._plain_batch, self._plain_rounds = None, 0
