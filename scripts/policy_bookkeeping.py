@@ -31,7 +31,7 @@ def time_parts(policy) -> tuple[dict[str, float], Counter]:
     """Wrap the policy's methods (those it has of PARTS) to add up their seconds and calls."""
     spent, calls = defaultdict(float), Counter()
     targets = [(policy, name, name) for name in PARTS if hasattr(policy, name)]
-    targets.append((policy.acceptance, "acceptance_array", "acceptance.acceptance_array"))
+    targets.append((policy.acceptance, "acceptance", "acceptance.acceptance"))
     for obj, name, key in targets:
         method = getattr(obj, name)
 

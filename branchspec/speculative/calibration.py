@@ -280,19 +280,14 @@ class AcceptanceModel:
         return factors
 
     def acceptance(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4, depth: int = MAX_DEPTH,
-                   ranks: int | None = None) -> torch.Tensor:
+                   ranks: int | None = None) -> np.ndarray:
         """[B, 2, depth, ranks] estimated P(rank-r child at depth d accepted | parent
         accepted), whatever its probability, for parents on the drafter's main line and
         off it (the first `depth` depths and `ranks` ranks; all by default): each
         request's own hits / tries shrunk towards the engine-wide ratio with
-        `prior_weight` tries, never below `floor`."""
-        return torch.from_numpy(self.acceptance_array(seq_ids, modes, floor, depth, ranks))
-
-    def acceptance_array(self, seq_ids: list[int], modes: list[int], floor: float = 1e-4,
-                         depth: int = MAX_DEPTH, ranks: int | None = None) -> np.ndarray:
-        """`acceptance` as a numpy array: what the adaptive policy reads at every decision
-        (a few small numpy operations; the engine-wide part is kept until the counts
-        change)."""
+        `prior_weight` tries, never below `floor`. A numpy array: the adaptive policy reads
+        it at every decision (a few small numpy operations; the engine-wide part is kept
+        until the counts change)."""
         self._learn_pending()
         ranks = ranks or self.R
         rows = self._lookup(seq_ids)

@@ -216,8 +216,8 @@ class AdaptivePolicy:
         """[B, C] each speculative candidate's expected tokens per round for each request
         (greedy ones where `modes` is None), before calibration."""
         modes = modes if modes is not None else [GREEDY] * len(seq_ids)
-        q = self.acceptance.acceptance_array(seq_ids, modes, self.tuning.acceptance_floor, self.expected.depth,
-                                             self.expected.R)
+        q = self.acceptance.acceptance(seq_ids, modes, self.tuning.acceptance_floor, self.expected.depth,
+                                       self.expected.R)
         return self.expected(q)
 
     def defer_drafter(self, batch: BatchView) -> bool:
