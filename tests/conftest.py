@@ -37,6 +37,19 @@ if SHARED_MBPP.is_file():
     os.environ.setdefault(MBPP_ENV_VAR, str(SHARED_MBPP))
 
 
+def pytest_collection_modifyitems(items):
+    """The order pytest-xdist hands test files to its workers (`--dist loadfile
+    --no-loadscope-reorder`): the modules marked `compiles` first, since compiling their
+    steps from scratch is the longest thing the suite does and the wall time is at least
+    when it started plus that; then the rest by their number of tests, most first
+    (xdist's own heuristic), so that short files fill the end. Each file's tests stay
+    together, in their order."""
+    counts: dict = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+    items.sort(key=lambda item: (item.get_closest_marker("compiles") is None, -counts[item.path]))
+
+
 # The two model families every equivalence test runs on: the plain model (one residual
 # stream, dense FFN, one RoPE) and the real V4 architecture (YaRN on compressed layers,
 # grouped output, 2 hyper-connection streams, MoE with a hash layer). Eight indexer heads

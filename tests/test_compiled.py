@@ -27,6 +27,7 @@ PROMPTS = [[0] + [3 + (7 * j + i) % 60 for j in range(20 + 9 * i)] for i in rang
 # tests/test_compiled_fallback.py).
 needs_aot = pytest.mark.skipif(not hasattr(torch.compile(lambda x: x), "aot_compile"),
                                reason="this torch cannot compile ahead of time")
+pytestmark = pytest.mark.compiles     # run first: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from branchspec.model.init import random_model
 
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
 PROMPTS = [[0] + [3 + (5 * j + 3 * i) % 60 for j in range(7 + 31 * i)] for i in range(5)]
+pytestmark = pytest.mark.compiles     # run first: tests/conftest.py
 
 
 class _NoAot:
