@@ -1097,15 +1097,16 @@ def test_while_plain_decoding_holds_decisions_thin_out_further():
     assert max(periods(same, plain_wins=True)) == TUNING.redecide_most
 
 
-def test_a_request_joining_while_plain_decoding_holds_is_decided_for_once_and_keeps_the_period():
+def test_a_request_joining_is_decided_for_once_and_restarts_the_period_by_its_share():
     """A joining request is decided for at its admission (`defer_drafter`), not again at
-    the round after it; while plain decoding holds, the join keeps the grown period (plain
-    rounds measure nothing of the newcomer), while a speculative choice starts it over.
-    Negative control: a join that restarted the period under plain decoding would bring
-    the next decision back within `redecide_every` rounds."""
+    the round after it. While plain decoding holds, the join keeps the grown period (plain
+    rounds measure nothing of the newcomer); a speculative choice starts it over at
+    `redecide_every` x B / newcomers: at once for a batch all new, twice that for one
+    request of two. Negative control: a join that restarted the period under plain
+    decoding would bring the next decision back within `redecide_every` rounds."""
     chain4 = SpecConfig.chain(4)
 
-    def after_join(plain_wins: bool):
+    def after_join(plain_wins: bool, joined: list[int]):
         runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
         runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))
         set_prices(runner, {"none": 1.0, "chain D=4": 3.0 if plain_wins else 0.3}, noise=0.01)
@@ -1113,17 +1114,18 @@ def test_a_request_joining_while_plain_decoding_holds_is_decided_for_once_and_ke
         for _ in range(200):
             choose(runner, [1])
         before = len(at)
-        deferred = runner.defer_drafter(BatchView([1, 2], [0, 100], [], None))       # request 2 joins
+        lag = [0 if s == 1 else 100 for s in joined]
+        deferred = runner.defer_drafter(BatchView(joined, lag, [], None))       # request 2 joins
         assert len(at) == before + 1 and deferred == plain_wins
         start = runner.rounds_chosen[0]
         for _ in range(3 * TUNING.redecide_most_plain):
-            choose(runner, [1, 2])
+            choose(runner, joined)
         return [a - start for a in at[before + 1:]]
 
-    plain = after_join(plain_wins=True)
+    plain = after_join(plain_wins=True, joined=[1, 2])
     assert plain[0] > TUNING.redecide_every          # the period it had grown to, not a fresh one
-    speculative = after_join(plain_wins=False)
-    assert speculative[0] == TUNING.redecide_every - 1      # watched closely again
+    assert after_join(plain_wins=False, joined=[2])[0] == TUNING.redecide_every - 1      # all new
+    assert after_join(plain_wins=False, joined=[1, 2])[0] == 2 * TUNING.redecide_every - 1    # half new
     # the control: the same join with the period started over
     runner = AdaptivePolicy(AutoPolicy(candidates=(None, chain4)), flat_costs(10.0, 0.5))
     runner.expected_accept = lambda ids, modes=None: np.ones((len(ids), 1))

@@ -274,16 +274,23 @@ class AdaptivePolicy:
 
     def _decide_now(self, batch: BatchView, changed: bool) -> None:
         """A decision for this batch (`changed`: a request joined it, or its size bucket
-        moved), from which the period runs. After a change a speculative choice is watched
-        closely again (its rounds measure the newcomer's acceptance); plain rounds measure
-        nothing, so a plain choice that holds keeps its period (a batch of four with
-        requests of a hundred tokens takes one in every 25 rounds)."""
+        moved), from which the period runs. After a join a speculative choice is watched
+        more closely again, as closely as the newcomers weigh in the batch's estimate
+        (its rounds measure their acceptance): a batch all new starts the period over at
+        `redecide_every` rounds, one newcomer among B at B times that (or the period it
+        had, if shorter). Plain rounds measure nothing, so a plain choice that holds keeps
+        its period (a batch of four with requests of a hundred tokens takes one in every
+        25 rounds)."""
         self.acceptance.learn()      # the rounds' own learning, not the policy's (`decide_seconds`)
         t0 = time.perf_counter()
+        last = self._last_batch
         self._decide(batch)
         self._last_batch, self._rounds_since, self._explored = tuple(batch.seq_ids), 0, False
         if changed and self.last_choice is not None:
-            self._steady = 0
+            B = len(batch.seq_ids)
+            new = B - len(set(batch.seq_ids) & set(last)) if last is not None else B
+            if new:      # (a batch that only shrank to another size bucket keeps its period)
+                self._steady = min(self._steady, (B // new).bit_length() - 1)
         self.decide_seconds += time.perf_counter() - t0
 
     def _must_decide(self, key: tuple[int, ...]) -> bool:

@@ -65,7 +65,9 @@ class Tuning:
     # Higher costs less bookkeeping once settled and explores less often, but notices a
     # change in acceptance (a new topic within a request) that many rounds later. A
     # request that joins the batch is decided for at once (at its admission), and unless
-    # plain decoding holds, the period starts over.
+    # plain decoding holds, the period starts over at redecide_every x B / newcomers
+    # (rounded down to a doubling; never longer than it was): what the newcomers' rounds
+    # measure moves the batch's estimate by their share of it.
     redecide_most: int = 16
     # The same while the standing choice is plain decoding. Plain rounds teach nothing of
     # acceptance (the estimates only widen, `drift_noise`, and follow the growing
