@@ -45,14 +45,14 @@ def teach(model: AcceptanceModel, seq_ids, children, targets, mode=GREEDY):
     model.observe(seq_ids, [mode] * len(seq_ids), children, logp, targets)
 
 
-def observe(policy, spec, seq_ids, seconds, children=None, targets=None, path_len=None, context=None):
+def observe(policy, spec, seq_ids, seconds, children=None, targets=None, path_len=None, context=None, modes=None):
     """A round of `spec` that took `seconds`, with its path observations, as the engine
     runs one: the round teaches the acceptance, then policy.observe."""
     if spec is not None and children is not None:
         teach(policy.acceptance, seq_ids, children, targets)
     result = RoundResult(spec=spec, emitted=[], path_len=path_len or [1] * len(seq_ids),
                          learnt=spec is not None and children is not None, seconds=seconds)
-    policy.observe(BatchView(seq_ids, [0] * len(seq_ids), [], context), result)
+    policy.observe(BatchView(seq_ids, [0] * len(seq_ids), [], context, modes), result)
 
 
 CYCLE = (None, SpecConfig.chain(4), None, None, SpecConfig(3, 2, 6), SpecConfig(2, 3, 5, selection="calibrated"), None,
@@ -1173,9 +1173,11 @@ def test_an_exploring_round_does_not_start_the_decision_period_over():
 
 def test_observed_rounds_apply_in_order_when_an_estimate_is_next_needed():
     """Rounds are observed cheaply and applied together before the next estimate: the
-    accept calibration, the round-price corrections and the relaxed acceptance come out as
-    if each round had been applied as it came. Negative control: applied out of order they
-    do not."""
+    accept calibration, the round prices (corrections, the plain steps kept for pairing
+    and the round counts they are paired by) and the relaxed acceptance come out as if each
+    round had been applied as it came, long runs of plain rounds included (all but their
+    last `plain_memory` are only counted). Negative controls: applied out of order they do
+    not, nor with plain rounds counted but not applied beyond what the prices remember."""
     chain3 = SpecConfig.chain(3)
 
     def served(settle_each: bool, reverse: bool = False):
@@ -1189,18 +1191,28 @@ def test_observed_rounds_apply_in_order_when_an_estimate_is_next_needed():
                 children, targets = (t.repeat(2, 1, 1) if t.dim() == 3 else t.repeat(2, 1)
                                      for t in chain_outcome(i % 3, depth=2))
                 observe(runner, chain3, [1, 2], 0.012 + 1e-4 * i, children, targets, path_len=[1 + i % 3] * 2)
+            if i in (4, 9):      # long runs of plain rounds: greedy, then sampled, then greedy again
+                for j in range(50):
+                    modes = [SAMPLED] * 2 if 20 <= j < 45 else None
+                    observe(runner, None, [1, 2], 0.010 + 1e-5 * j, context=100.0 + j, modes=modes)
+                    if settle_each:
+                        runner._flush()
             if settle_each:
                 runner._flush()
         if reverse:
             runner._pending.reverse()
-        return (runner.accept_sums, {k: list(v) for k, v in runner.costs.corrections.items()},
+        costs = runner.costs
+        return (runner.accept_sums, {k: list(v) for k, v in costs.corrections.items()},
+                {k: list(v) for k, v in costs._plain_steps.items()}, dict(costs._rounds),
                 runner.acceptance.acceptance([1, 2], [GREEDY] * 2).tolist())
 
     one_by_one = served(settle_each=True)
     assert served(settle_each=False) == one_by_one
     assert one_by_one[0][(False, "chain")] != (TUNING.calibration_prior,) * 2 and one_by_one[1]   # something was applied
     assert served(settle_each=False, reverse=True) != one_by_one
-
+    with pytest.MonkeyPatch.context() as mp:           # more plain rounds only counted than it may
+        mp.setattr(CostModel, "plain_memory", property(lambda self: 4))
+        assert served(settle_each=False) != one_by_one
 
 def test_round_costs_follow_the_context():
     """Prices are measured from a short and a long context: a price interpolates between

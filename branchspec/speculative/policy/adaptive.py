@@ -466,12 +466,37 @@ class AdaptivePolicy:
         if self._pending:
             pending, self._pending = self._pending, []
             costs = self._cost_model()
+            plain: list[tuple] = []       # the run of plain rounds over one bucket and sampling
             for spec, seq_ids, modes, context, seconds, verify, accepted, predicted in pending:
-                costs.observe(spec, len(seq_ids), seconds, verify, context, sampled=_samples(modes))
+                sampled = _samples(modes)
+                if spec is None:
+                    clock = (CostModel.bucket(len(seq_ids)), sampled)
+                    if plain and plain[-1][0] != clock:
+                        self._observe_plain(costs, plain)
+                    plain.append((clock, len(seq_ids), seconds, verify, context))
+                    continue
+                self._observe_plain(costs, plain)
+                costs.observe(spec, len(seq_ids), seconds, verify, context, sampled=sampled)
                 if accepted is not None:
                     self._measured(spec)
                 if predicted is not None:
-                    self._calibrate(spec, accepted, predicted, len(seq_ids), _samples(modes))
+                    self._calibrate(spec, accepted, predicted, len(seq_ids), sampled)
+            self._observe_plain(costs, plain)
+
+    @staticmethod
+    def _observe_plain(costs: CostModel, run: list[tuple]) -> None:
+        """Apply a run of plain rounds (one batch bucket and sampling, in order) to the
+        prices, and empty it. What all but the last `plain_memory` of them would leave,
+        the later ones replace (a plain step's pairing and correction are kept for that
+        many): those are only counted. While plain decoding holds, 64 rounds come
+        together."""
+        if run:
+            (bucket, sampled), counted = run[0][0], max(0, len(run) - costs.plain_memory)
+            if counted:
+                costs.count_plain(bucket, sampled, counted)
+            for _, batch, seconds, verify, context in run[counted:]:
+                costs.observe(None, batch, seconds, verify, context, sampled=sampled)
+            run.clear()
 
     def _measured(self, spec: SpecConfig) -> None:
         """A learnt round of `spec` measured what the text became while plain rounds ran,

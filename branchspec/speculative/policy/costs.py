@@ -283,6 +283,23 @@ class CostModel:
         history.append(min(max(correction, -t.ratio_clamp), t.ratio_clamp))
         self._settled.pop(key[1], None)
 
+    @property
+    def plain_memory(self) -> int:
+        """How many of the latest plain steps at a batch bucket (and sampling) the prices
+        remember: the ones paired with speculative rounds and the plain step's
+        corrections. Older ones among a run of plain steps change nothing but the count."""
+        return max(self.tuning.pair_steps, self.tuning.ratio_history)
+
+    def count_plain(self, batch: int, sampled: bool, rounds: int) -> None:
+        """`rounds` plain steps observed as `observe` would, at a point where at least
+        `plain_memory` more of them, at the same batch bucket and sampling, follow before
+        any other round: everything they would leave the newer ones replace, but the
+        count of rounds the pairing reads ages by."""
+        bucket = self.bucket(batch)
+        clock = (bucket, sampled)
+        self._rounds[clock] = self._rounds.get(clock, 0) + rounds
+        self._warm.add((PLAIN, bucket))
+
     def _settle(self, bucket: int) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[float, float]], float]:
         """Per label its median correction and count, per kind the mean and spread of its
         labels' corrections, and the pooled noise of one round's correction, at `bucket`.
