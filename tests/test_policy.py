@@ -1034,8 +1034,8 @@ def count_decisions(runner) -> list[int]:
 
 def test_the_decision_period_grows_while_the_choice_holds_and_shrinks_when_it_changes():
     """A decision that keeps the standing choice doubles the period to the next, up to
-    `redecide_most` rounds; a switch, or a request joining, brings it back to
-    `redecide_every`.
+    `redecide_most` rounds; a switch brings it back to `redecide_every`, and a request
+    joining to `redecide_every` x B / newcomers (here one of two: twice that).
     Negative control: with `redecide_most` at `redecide_every` the schedule is fixed."""
     from dataclasses import replace
     chain3, chain4 = SpecConfig.chain(3), SpecConfig.chain(4)
@@ -1067,9 +1067,9 @@ def test_the_decision_period_grows_while_the_choice_holds_and_shrinks_when_it_ch
         choose(runner, [1])
     assert at[-1] - at[-2] == most
     joined, now = len(at), runner.rounds_chosen[0]
-    for _ in range(2 * every):
+    for _ in range(3 * every):
         choose(runner, [1, 2])                                   # a request joins: decided at once,
-    assert at[joined] == now and at[joined + 1] - at[joined] == every     # then watched closely
+    assert at[joined] == now and at[joined + 1] - at[joined] == 2 * every     # then watched closer
     _, _, fixed, _ = decisions(replace(TUNING, redecide_most=every))
     assert set(np.diff(fixed).tolist()) == {every} and len(fixed) > len(at) - 2
 
