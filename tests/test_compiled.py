@@ -32,7 +32,10 @@ pytestmark = pytest.mark.compiles     # run first: tests/conftest.py
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return save_checkpoint(random_model(tiny_config(), seed=0, std=0.3), tmp_path_factory.mktemp("tiny_c"))
+    """Three layers, one of each kind (window only, C4 with its indexer, C128): a fourth
+    adds nothing the graphs do differently, only compiling time."""
+    cfg = tiny_config(num_layers=3, compress_ratios=(0, 4, 128))
+    return save_checkpoint(random_model(cfg, seed=0, std=0.3), tmp_path_factory.mktemp("tiny_c"))
 
 
 @pytest.fixture(scope="module")
