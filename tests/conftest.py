@@ -1,6 +1,7 @@
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,7 @@ def pytest_collection_modifyitems(items):
     when it started plus that; then the rest by their number of tests, most first
     (xdist's own heuristic), so that short files fill the end. Each file's tests stay
     together, in their order."""
-    counts: dict = {}
-    for item in items:
-        counts[item.path] = counts.get(item.path, 0) + 1
+    counts = Counter(item.path for item in items)
     items.sort(key=lambda item: (item.get_closest_marker("compiles") is None, -counts[item.path]))
 
 
